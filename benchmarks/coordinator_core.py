@@ -34,7 +34,18 @@ from common import write_result
 
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.core import Coordinator
-from infer.protocol.messages import Delta, Dispatch, Heartbeat, Hello, Load, StepBatch, Submit, TokenIds, encode
+from infer.protocol.messages import (
+    Delta,
+    Dispatch,
+    Heartbeat,
+    Hello,
+    Load,
+    RequestSpec,
+    StepBatch,
+    Submit,
+    TokenIds,
+    encode,
+)
 from infer.protocol.sampling import SamplingParams
 
 MODEL = "bench-model"
@@ -101,7 +112,7 @@ def time_requests(workers: int, direct: bool, streams: int, tokens: int) -> dict
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     count = workers * streams
     submits = [
-        encode(Submit(request_id=f"r{i}", prompt_token_ids=TokenIds(range(1, 17)), sampling=params))
+        encode(Submit(request_id=f"r{i}", spec=RequestSpec(prompt_token_ids=TokenIds(range(1, 17)), sampling=params)))
         for i in range(count)
     ]
     placed: dict[bytes, list[str]] = {}

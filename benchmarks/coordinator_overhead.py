@@ -30,7 +30,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
-from infer.protocol.messages import Hello, Submit, TokenIds, Welcome, decode, encode
+from infer.protocol.messages import Hello, RequestSpec, Submit, TokenIds, Welcome, decode, encode
 from infer.protocol.ports import reserved_port
 from infer.protocol.sampling import SamplingParams
 
@@ -113,7 +113,11 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 def submit_frames(count: int, tag: str) -> list[bytes]:
     return [
-        encode(Submit(request_id=f"{tag}{i}", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=1)))
+        encode(
+            Submit(
+                request_id=f"{tag}{i}", spec=RequestSpec(prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=1))
+            )
+        )
         for i in range(count)
     ]
 

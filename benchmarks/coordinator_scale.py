@@ -57,6 +57,7 @@ from infer.protocol.messages import (
     Error,
     Hello,
     Placement,
+    RequestSpec,
     StreamBatch,
     Submit,
     Subscribe,
@@ -151,7 +152,7 @@ class Reader:
 
     def submit(self, rid: str, params: SamplingParams) -> None:
         self.sent[rid], self.held[rid] = time.perf_counter(), (0, 0)
-        self.sock.send(encode(Submit(request_id=rid, prompt_token_ids=PROMPT, sampling=params)))
+        self.sock.send(encode(Submit(request_id=rid, spec=RequestSpec(prompt_token_ids=PROMPT, sampling=params))))
 
     def read(self, timeout_ms: int) -> None:
         for sock in dict(self.poller.poll(timeout_ms)):

@@ -26,7 +26,17 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 from infer.protocol import messages  # noqa: E402
 from infer.protocol.bounds import check_shape  # noqa: E402
-from infer.protocol.messages import Delta, DeltaBatch, Load, StepBatch, Submit, TokenIds, decode, encode  # noqa: E402
+from infer.protocol.messages import (  # noqa: E402
+    Delta,
+    DeltaBatch,
+    Load,
+    RequestSpec,
+    StepBatch,
+    Submit,
+    TokenIds,
+    decode,
+    encode,
+)
 from infer.protocol.sampling import SamplingParams  # noqa: E402
 
 
@@ -45,7 +55,9 @@ def normal_frames() -> dict[str, bytes]:
     ]
     load = Load(num_waiting=3, num_running=64, num_free_blocks=1000, num_total_blocks=4000, num_queued_tokens=12345)
     return {
-        "Submit, 2048 token ids": encode(Submit(request_id="r-123456", prompt_token_ids=prompt, sampling=sampling)),
+        "Submit, 2048 token ids": encode(
+            Submit(request_id="r-123456", spec=RequestSpec(prompt_token_ids=prompt, sampling=sampling))
+        ),
         "StepBatch, 64 deltas": encode(StepBatch(deltas=deltas, load=load)),
         "DeltaBatch, 64 deltas": encode(DeltaBatch(deltas=deltas)),
     }

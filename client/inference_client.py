@@ -100,6 +100,7 @@ from infer.protocol.messages import (
     ProtocolError,
     Redirect,
     Refused,
+    RequestSpec,
     StatsRequest,
     StreamBatch,
     Submit,
@@ -482,41 +483,26 @@ class InferenceClient:
         prompt, decoder = split_encoder_decoder(prompt)  # vLLM's {"encoder_prompt": ..., "decoder_prompt": ...}
         prompt, images = split_prompt(prompt)
         encoded = wire_images(images)
-        decoder_fields = (
-            {}
-            if decoder is None
-            else {"decoder_prompt": decoder}
-            if isinstance(decoder, str)
-            else {"decoder_prompt_token_ids": TokenIds.checked(decoder, "decoder_prompt")}
+        spec = RequestSpec(
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=None if isinstance(prompt, str) else TokenIds.checked(prompt, "prompt"),
+            sampling=params,
+            priority=priority,
+            images=encoded,
+            decoder_prompt=decoder if isinstance(decoder, str) else None,
+            decoder_prompt_token_ids=None
+            if decoder is None or isinstance(decoder, str)
+            else TokenIds.checked(decoder, "decoder_prompt"),
         )
-        if isinstance(prompt, str):
-            submit = Submit(
-                request_id=rid,
-                prompt=prompt,
-                sampling=params,
-                pin_rank=pin_rank,
-                timeout_s=timeout,
-                priority=priority,
-                traceparent=traceparent,
-                model=model,
-                session_id=session_id,
-                images=encoded,
-                **decoder_fields,
-            )
-        else:
-            submit = Submit(
-                request_id=rid,
-                prompt_token_ids=TokenIds.checked(prompt, "prompt"),
-                sampling=params,
-                pin_rank=pin_rank,
-                timeout_s=timeout,
-                priority=priority,
-                traceparent=traceparent,
-                model=model,
-                session_id=session_id,
-                images=encoded,
-                **decoder_fields,
-            )
+        submit = Submit(
+            request_id=rid,
+            spec=spec,
+            pin_rank=pin_rank,
+            timeout_s=timeout,
+            traceparent=traceparent,
+            model=model,
+            session_id=session_id,
+        )
         request = self._requests[rid] = _Request(
             rid,
             submit,
@@ -886,24 +872,18 @@ class InferenceClient:
         exactly (tokens arrived but not the prompt's ids)."""
         submit = request.submit
         timeout = None if request.deadline is None else max(1e-3, request.deadline - time.monotonic())
-        sampling = submit.sampling if request.seed is None else submit.sampling.with_seed(request.seed)
+        spec = submit.spec
+        if request.seed is not None:
+            spec = msgspec.structs.replace(spec, sampling=spec.sampling.with_seed(request.seed))
         if not request.received.token_ids:
-            return msgspec.structs.replace(submit, sampling=sampling, timeout_s=timeout, reattach=True)
+            return msgspec.structs.replace(submit, spec=spec, timeout_s=timeout, reattach=True)
         if request.prompt_token_ids is None:
             return None
-        return Submit(
-            request_id=submit.request_id,
-            prompt_token_ids=TokenIds(request.prompt_token_ids),
-            sampling=sampling,
-            pin_rank=submit.pin_rank,
+        return msgspec.structs.replace(
+            submit,
+            spec=msgspec.structs.replace(spec, prompt=None, prompt_token_ids=TokenIds(request.prompt_token_ids)),
             timeout_s=timeout,
             reattach=True,
-            priority=submit.priority,
-            traceparent=submit.traceparent,
-            session_id=submit.session_id,
-            images=submit.images,
-            decoder_prompt=submit.decoder_prompt,
-            decoder_prompt_token_ids=submit.decoder_prompt_token_ids,
             delivered_token_ids=TokenIds(request.received.token_ids),
             delivered_text_len=request.received.text_len,
         )

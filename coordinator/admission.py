@@ -105,25 +105,21 @@ class Admission:
     def new_record(self, identity: bytes, submit: Submit, now: float, target: Target | None = None) -> RequestRecord:
         """The record of an accepted Submit, to run on `target` (default: the model the Submit names)."""
         target = Target(submit.model) if target is None else target
-        sampling = submit.sampling
+        spec = submit.spec
+        sampling = spec.sampling
         if target.lora_name is not None:  # `model` named the adapter: the request runs with it
             sampling = msgspec.structs.replace(sampling, lora_name=target.lora_name)
+        seeded = self._seeded(sampling)
         request = RequestRecord(
             request_id=submit.request_id,
             client=identity,
-            prompt=submit.prompt,
-            prompt_token_ids=submit.prompt_token_ids,
+            spec=spec if seeded is spec.sampling else msgspec.structs.replace(spec, sampling=seeded),
             model=target.model_id,
             session_id=submit.session_id,
-            sampling=self._seeded(sampling),
             pin_rank=submit.pin_rank,
-            priority=submit.priority,
             submitted_at=now,
             deadline=None if submit.timeout_s is None else now + submit.timeout_s,
             traceparent=submit.traceparent,
-            images=submit.images,
-            decoder_prompt=submit.decoder_prompt,
-            decoder_prompt_token_ids=submit.decoder_prompt_token_ids,
         )
         if self.config.otlp_traces_endpoint is not None:
             request.trace = HopSpan.child_of(
@@ -172,7 +168,7 @@ class Admission:
         else:
             full = not any(self._has_room(w) for w in routable)
         if full:
-            if submit.priority < self._worst_priority_in_flight():
+            if submit.spec.priority < self._worst_priority_in_flight():
                 return self._held_room(submit)
             busiest = max(routable, key=lambda w: w.num_in_flight)
             return (
@@ -189,11 +185,11 @@ class Admission:
             return None
         fresh = [r for r in self.books.requests.held.values() if not r.num_delivered]
         victim = max(reversed(fresh), key=lambda r: r.priority, default=None)  # the newest of the worst
-        if victim is not None and victim.priority > submit.priority:
+        if victim is not None and victim.priority > submit.spec.priority:
             self.books.fail(
                 victim,
                 f"request {victim.request_id!r} was shed from the coordinator's full queue for a "
-                f"request of a better priority ({submit.priority} < {victim.priority}); retry "
+                f"request of a better priority ({submit.spec.priority} < {victim.priority}); retry "
                 f"later",
                 code="overloaded",
             )
@@ -466,10 +462,8 @@ class Admission:
         self._awaiting.pop(request.request_id, None)
         delivered = submit.delivered_token_ids
         request.journal = StreamJournal.lengths_only(delivered, submit.delivered_text_len if delivered else 0)
-        if request.prompt_token_ids is None and submit.prompt_token_ids is not None:
-            request.prompt_token_ids = list(submit.prompt_token_ids)
-        if submit.sampling.seed is not None:
-            request.sampling = request.sampling.with_seed(submit.sampling.seed)
+        request.learn_prompt_ids(submit.spec.prompt_token_ids)
+        request.take_seed(submit.spec.sampling.seed)
         self.books.requests.hold(request, now)
         self.books.requests.held.move_to_end(request.request_id, last=False)
         self.dispatch_held(now)

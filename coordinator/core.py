@@ -603,7 +603,7 @@ class Coordinator:
         if submit.reattach:
             self.reattachment.reattach(client, submit, now)
             return
-        target = self.models.resolve(submit.model, submit.sampling.lora_name)
+        target = self.models.resolve(submit.model, submit.spec.sampling.lora_name)
         if isinstance(target, Refusal):
             self.send(
                 identity,

@@ -78,10 +78,8 @@ class Reattachment:
         tokens, text = catch_up
         self.books.counters.requests_reattached += 1
         request.model = worker.model_id  # where it runs: a failover later stays on its model
-        if request.prompt_token_ids is None:
-            request.prompt_token_ids = orphan.prompt_token_ids
-        if orphan.seed is not None:  # what the worker runs with (the client may not have heard it yet)
-            request.sampling = request.sampling.with_seed(orphan.seed)
+        request.learn_prompt_ids(orphan.prompt_token_ids)
+        request.take_seed(orphan.seed)  # what the worker runs with (the client may not have heard it yet)
         final = orphan.final
         first = not request.sent_prompt_ids
         # the worker's latest delta (its final one, if it ended), carrying all the client lacks; no logprobs:
@@ -92,7 +90,7 @@ class Reattachment:
             token_ids=tokens,
             text=text,
             logprobs=None,
-            num_prompt_tokens=len(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids or ()),
             prompt_token_ids=request.prompt_token_ids if first else None,
             seed=request.sampling.seed if first else None,
         )
@@ -134,10 +132,8 @@ class Reattachment:
             return False
         self.books.counters.requests_reattached += 1
         request.model = worker.model_id
-        if request.prompt_token_ids is None:
-            request.prompt_token_ids = orphan.prompt_token_ids
-        if orphan.seed is not None:
-            request.sampling = request.sampling.with_seed(orphan.seed)
+        request.learn_prompt_ids(orphan.prompt_token_ids)
+        request.take_seed(orphan.seed)
         request.direct, request.dispatch_seq = True, 0
         request.placement = Placement(
             request_id=request.request_id,
@@ -160,7 +156,7 @@ class Reattachment:
         """A client sends an unfinished request again after this coordinator (re)started: take over the
         worker's copy if one registered, wait for it during restart_grace, else resume from the client's."""
         rid = submit.request_id
-        target = self.admission.models.resolve(submit.model, submit.sampling.lora_name)
+        target = self.admission.models.resolve(submit.model, submit.spec.sampling.lora_name)
         # (a model no worker has registered with yet after the restart: kept as named, it waits for one)
         request = self.admission.new_record(
             client.identity, submit, now, None if isinstance(target, Refusal) else target

@@ -69,8 +69,7 @@ class Relay:
             self.outbox.send(identity, Abort(request_ids=running))
 
     def _relay(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
-        if request.prompt_token_ids is None:  # a string prompt: keep the ids its first worker made
-            request.prompt_token_ids = delta.prompt_token_ids
+        request.learn_prompt_ids(delta.prompt_token_ids)  # a string prompt: keep the ids its first worker made
         if delta.finish_reason == FinishReason.ABORT and delta.error_code == ErrorCode.KV_HANDOFF:
             self._handed_off(request, worker, delta, now)
             return

@@ -6,7 +6,7 @@ Invariants (kept by coordinator/books.py):
   worker (worker_id set, the id is in that worker's `requests`);
 - `journal` holds every token id already relayed to the client, in order, and the number of characters of text
   relayed with them (a StreamJournal that keeps lengths only: protocol/journal.py); with the prompt token ids
-  and the seed in `sampling` they are what a re-dispatch resumes from (the worker rebuilds its detokenizer from
+  and the seed in `spec` they are what a re-dispatch resumes from (the worker rebuilds its detokenizer from
   them);
 - a worker's `cost_in_flight` is the sum of its requests' `charged` (their estimated cost when dispatched);
 - `worker_deaths` names the workers that died while running the request, in order: one makes it a suspect,
@@ -21,10 +21,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
+import msgspec
+
 from infer.protocol.codes import ClusterState
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import Dispatch, Hello, Load, Placement, RankHold, TokenIds
+from infer.protocol.messages import Dispatch, Hello, Load, Placement, RankHold, RequestSpec, TokenIds
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import HopSpan
 
@@ -38,9 +40,9 @@ class RequestRecord:
 
     request_id: str
     client: bytes  # the client's ROUTER identity
-    prompt: str | None
-    prompt_token_ids: list[int] | None  # as submitted, or as the first worker tokenized the prompt
-    sampling: SamplingParams  # as submitted; a sampled request without a seed is given one
+    # what it asks (its Submit's, the adapter a `model` naming one set in its sampling): replaced, never edited, when
+    # it is given a seed (`take_seed`) and when its text prompt's ids are learnt (`learn_prompt_ids`)
+    spec: RequestSpec
     pin_rank: int | None
     submitted_at: float
     model: str | None = None  # the model it runs on (coordinator/models.py); None: the default, none known yet
@@ -53,7 +55,6 @@ class RequestRecord:
     deadline: float | None = None  # monotonic time by which it must finish (Submit.timeout_s)
     dispatch_seq: int = 0  # its Dispatch was the n-th sent to its worker (0: none sent there)
     worker_deaths: list[str] = field(default_factory=list)  # workers that died while running it
-    priority: int = 0  # lower first (Submit.priority): held, dispatched and shed by it
     traceparent: str | None = None  # the caller's span (Submit.traceparent)
     trace: HopSpan | None = None  # this hop's span, when the coordinator traces (protocol/tracing.py)
     direct: bool = False  # its current worker streams its deltas to the client directly (not relayed)
@@ -64,10 +65,30 @@ class RequestRecord:
     # producer handed it off (it then continues on a consumer: admission._by_kv_role)
     kv_consumer: str | None = None
     handed_off: bool = False
-    images: list[bytes] = field(default_factory=list)  # Submit.images: every Dispatch of it carries them
-    # Submit.decoder_prompt / decoder_prompt_token_ids (an encoder-decoder model's): every Dispatch carries them
-    decoder_prompt: str | None = None
-    decoder_prompt_token_ids: list[int] | None = None
+
+    # what routing, admission and the relay read of the spec
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.spec.sampling
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        return self.spec.prompt_token_ids
+
+    @property
+    def priority(self) -> int:
+        return self.spec.priority
+
+    def learn_prompt_ids(self, token_ids: list[int] | None) -> None:
+        """A text prompt's token ids as a worker tokenized them (its first delta, an orphan, a client's copy): every
+        later Dispatch sends them in the text's place, so that a failover runs the same tokens."""
+        if token_ids is not None and self.spec.prompt_token_ids is None:
+            self.spec = msgspec.structs.replace(self.spec, prompt=None, prompt_token_ids=TokenIds(token_ids))
+
+    def take_seed(self, seed: int | None) -> None:
+        """Run with `seed` (what a worker or the client reported it runs with); None leaves the spec as it is."""
+        if seed is not None:
+            self.spec = msgspec.structs.replace(self.spec, sampling=self.spec.sampling.with_seed(seed))
 
     @property
     def suspect(self) -> bool:
@@ -80,7 +101,7 @@ class RequestRecord:
         if self.prompt_token_ids is not None:
             prompt = len(self.prompt_token_ids) + self.num_delivered
         else:
-            prompt = len(self.prompt or "") // CHARS_PER_TOKEN + 1
+            prompt = len(self.spec.prompt or "") // CHARS_PER_TOKEN + 1
         max_tokens = self.sampling.max_tokens
         output = UNBOUNDED_OUTPUT_ESTIMATE if max_tokens is None else max(0, max_tokens - self.num_delivered)
         return prompt + output
@@ -92,7 +113,7 @@ class RequestRecord:
 
     @property
     def routing_prompt(self) -> str | list[int]:
-        return self.prompt_token_ids if self.prompt_token_ids is not None else (self.prompt or "")
+        return self.spec.routing_prompt
 
     def remaining_budget(self) -> int | None:
         """max_tokens left after what was delivered (None: up to the context length); for routing and for a
@@ -101,33 +122,16 @@ class RequestRecord:
         return None if max_tokens is None else max_tokens - self.num_delivered
 
     def dispatch(self) -> Dispatch:
-        """The Dispatch that (re)starts this request where the client's stream stands: its SamplingParams as
-        they are, and the tokens already delivered, which the engine counts toward max_tokens / min_tokens."""
-        if not self.journal.token_ids:
-            return Dispatch(
-                request_id=self.request_id,
-                sampling=self.sampling,
-                prompt=self.prompt if self.prompt_token_ids is None else None,
-                prompt_token_ids=self.prompt_token_ids,
-                priority=self.priority,
-                client=self.client_tag,
-                traceparent=self.dispatch_traceparent,
-                images=self.images,
-                decoder_prompt=self.decoder_prompt,
-                decoder_prompt_token_ids=self.decoder_prompt_token_ids,
-            )
+        """The Dispatch that (re)starts this request where the client's stream stands: its spec as it is, and the
+        tokens already delivered, which the engine counts toward max_tokens / min_tokens."""
+        delivered = self.journal.token_ids
         return Dispatch(
             request_id=self.request_id,
-            sampling=self.sampling,
-            prompt_token_ids=self.prompt_token_ids,
-            resumed_token_ids=TokenIds(self.journal.token_ids),
-            resumed_text_len=self.journal.text_len,
-            priority=self.priority,
+            spec=self.spec,
+            resumed_token_ids=TokenIds(delivered) if delivered else TokenIds(),
+            resumed_text_len=self.journal.text_len if delivered else None,
             client=self.client_tag,
             traceparent=self.dispatch_traceparent,
-            images=self.images,
-            decoder_prompt=self.decoder_prompt,
-            decoder_prompt_token_ids=self.decoder_prompt_token_ids,
         )
 
     @property

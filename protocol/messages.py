@@ -34,7 +34,9 @@ from infer.protocol.tracing import parse_traceparent
 #    echoes the prompt's token ids only for a text prompt
 # 4: msgspec Structs; token ids travel as msgpack arrays of ints (checked in C), SamplingParams with only the fields
 #    that differ from the defaults; Submit and Dispatch carry `traceparent`
-PROTOCOL_VERSION = 4
+# 5: what a request asks for (prompt or ids, images, decoder prompt, SamplingParams, priority) is one nested
+#    RequestSpec, carried unchanged by Submit, the coordinator's record and every Dispatch
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 64 << 20  # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
 MAX_MODEL_ID_LEN = 4096  # a model id is a name or the model's path (Hello.model_id, Submit.model)
@@ -49,8 +51,8 @@ MAX_KV_BLOCKS_PER_FRAME = 4096  # KvBlocks.blocks: a transfer goes in frames und
 MAX_STATS_WAIT_S = 3600.0
 MAX_REQUEST_TIMEOUT_S = 7 * 86400.0
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the engine
-MAX_IMAGE_BYTES = 20 << 20  # one encoded image of a prompt (Submit.images / Dispatch.images)
-MAX_IMAGES = 16  # images one Submit or Dispatch may carry (a worker's --limit-mm-per-prompt may allow fewer)
+MAX_IMAGE_BYTES = 20 << 20  # one encoded image of a prompt (RequestSpec.images)
+MAX_IMAGES = 16  # images one RequestSpec may carry (a worker's --limit-mm-per-prompt may allow fewer)
 MAX_REQUEST_IMAGE_BYTES = MAX_FRAME_BYTES // 2  # all images of one request: its frame keeps room for the rest
 
 
@@ -428,52 +430,94 @@ class VoteGrant(Message, frozen=True):
 # ---- requests and their streams ------------------------------------------------------------------
 
 
+class RequestSpec(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """What a request asks of a model: built once where it enters the cluster (the client, the HTTP front), nested
+    unchanged in its Submit, kept as the coordinator's record of it and nested in every Dispatch of it; a worker's
+    engine takes it as it is (`Engine.add_request(..., **spec.engine_args())`). The coordinator replaces it (never
+    edits it) in two ways only: a sampled request without a seed is given one, and a text prompt's token ids, once
+    the first worker tokenized it, take the text's place, so that a failover runs the same tokens.
+
+    `prompt` / `prompt_token_ids`: exactly one.
+    `sampling`: SamplingParams (fields at their default stay off the wire).
+    `priority`: lower is served first (vLLM's convention) by workers with the priority scheduling policy; the
+    coordinator holds and sheds requests by it too (coordinator/core.py).
+    `images`: the prompt's images, encoded, in the order of its image tokens (a model that takes images). A request
+    without images leaves the field out (omit_defaults).
+    `decoder_prompt` / `decoder_prompt_token_ids` (at most one): for an encoder-decoder model (T5, BART), whose
+    `prompt` is its encoder's input, the decoder's prefix after its start token; a decoder-only worker refuses it by
+    name.
+    """
+
+    prompt: str | None = None
+    prompt_token_ids: TokenIdList | None = None
+    sampling: SamplingParams = DEFAULT_SAMPLING
+    priority: Priority = 0
+    images: Images = msgspec.field(default_factory=list)
+    decoder_prompt: str | None = None
+    decoder_prompt_token_ids: TokenIdList | None = None
+
+    def __post_init__(self) -> None:
+        # (`if ...: raise`, not _require: the messages are formatted only for a bad request, once per request)
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ProtocolError("exactly one of 'prompt' and 'prompt_token_ids' must be given")
+        if self.decoder_prompt is not None and self.decoder_prompt_token_ids is not None:
+            raise ProtocolError("at most one of 'decoder_prompt' and 'decoder_prompt_token_ids' may be given")
+        _check_priority(self.priority)
+        if self.images:
+            image_bytes = sum(map(len, self.images))
+            if image_bytes > MAX_REQUEST_IMAGE_BYTES:
+                limit = MAX_REQUEST_IMAGE_BYTES
+                raise ProtocolError(f"field 'images' holds {image_bytes} bytes, more than {limit} a request")
+        if type(self.sampling) is not SamplingParams:  # (a user's spec is built, not decoded)
+            raise ProtocolError(f"field 'sampling' must be SamplingParams, got {type(self.sampling).__name__}")
+
+    @property
+    def routing_prompt(self) -> str | list[int]:
+        """The prompt as routing and cost estimates read it: its token ids when known, else its text."""
+        return self.prompt_token_ids if self.prompt_token_ids is not None else (self.prompt or "")
+
+    def engine_args(self) -> dict[str, Any]:
+        """`Engine.add_request`'s keyword arguments for what this spec asks (the prompt given as ids when both
+        could be read: a re-dispatch runs the ids the first worker tokenized)."""
+        decoder = self.decoder_prompt if self.decoder_prompt is not None else self.decoder_prompt_token_ids
+        return {
+            "prompt": self.routing_prompt,
+            "params": self.sampling,
+            "priority": self.priority,
+            "images": self.images,
+            "decoder_prompt": decoder,
+        }
+
+
 @message
 class Submit(Message, frozen=True):
-    """A generation request: a prompt string or token ids, and its SamplingParams (nested, defaults left out).
+    """A generation request: what it asks (`spec`, a RequestSpec) and how the cluster is to run it.
 
     `timeout_s`: the request fails with error code "timeout" (and is aborted, its KV blocks freed) unless it
     finishes within that many seconds of reaching the coordinator.
     `reattach`: the client sends it again after the coordinator restarted; `delivered_token_ids` are the
     output tokens the client already holds and `delivered_text_len` the characters of text it has of them,
     so the stream goes on from there (a request the coordinator already has from this client is left as
-    it is). Its `sampling` then carries the seed the first delta reported.
-    `priority`: lower is served first (vLLM's convention) by workers with the priority scheduling policy;
-    the coordinator holds and sheds requests by it too (coordinator/core.py).
+    it is). Its `spec.sampling` then carries the seed the first delta reported.
     `model`: the model to run it (a worker's model id, or a LoRA adapter: routed to the workers of its base model);
     None: the cluster's only model, or its default (coordinator/models.py says which; several models and no
     default: refused, naming them).
     `session_id`: the conversation it belongs to (the HTTP front's X-Session-ID header): the coordinator sends it to
     the DP rank that ran the session's previous request while that rank is healthy and not overloaded
     (coordinator/sessions.py), where its KV blocks are.
-    `decoder_prompt` / `decoder_prompt_token_ids` (at most one): for an encoder-decoder model (T5, BART), whose
-    `prompt` is its encoder's input, the decoder's prefix after its start token; kept with the request like the
-    images, so that every Dispatch of it carries it. Left out when not given (older peers parse the rest); a
-    decoder-only worker refuses it by name.
-    `images`: the prompt's images, encoded, in the order of its image tokens (a model that takes images); the
-    coordinator keeps them with the request, so that a failover's Dispatch carries them again. A request without
-    images leaves the field out (omit_defaults), so peers older than it serve such requests as before; one with
-    images is refused by an older coordinator or worker as a frame with an unknown field 'images' (that request
-    alone fails, invalid_request, the field named).
     """
 
     TYPE: ClassVar[str] = "submit"
     request_id: str
-    prompt: str | None = None
-    prompt_token_ids: TokenIdList | None = None
-    sampling: SamplingParams = DEFAULT_SAMPLING
+    spec: RequestSpec
     pin_rank: int | None = None
     timeout_s: float | None = None
     reattach: bool = False
     delivered_token_ids: TokenIdList = msgspec.field(default_factory=list)
     delivered_text_len: int | None = None
-    priority: int = 0
     traceparent: str | None = None  # W3C trace context of the request (OpenTelemetry), passed through
     model: ModelId | None = None
     session_id: SessionId | None = None
-    images: Images = msgspec.field(default_factory=list)
-    decoder_prompt: str | None = None
-    decoder_prompt_token_ids: TokenIdList | None = None
 
     def __post_init__(self) -> None:
         # (`if ...: raise`, not _require: the messages are formatted only for a bad Submit, once per request)
@@ -484,11 +528,7 @@ class Submit(Message, frozen=True):
             raise ProtocolError(
                 f"field 'session_id' must be 1..{MAX_SESSION_ID_LEN} characters, got {len(self.session_id)}"
             )
-        _check_priority(self.priority)
         _check_traceparent(self.traceparent)
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ProtocolError("exactly one of 'prompt' and 'prompt_token_ids' must be given")
-        _check_decoder_prompt(self.decoder_prompt, self.decoder_prompt_token_ids)
         if self.delivered_text_len is not None and self.delivered_text_len < 0:
             raise ProtocolError(f"field 'delivered_text_len' must be >= 0, got {self.delivered_text_len}")
         if self.pin_rank is not None and self.pin_rank < 0:
@@ -497,21 +537,17 @@ class Submit(Message, frozen=True):
             raise ProtocolError(
                 f"field 'timeout_s' must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got {self.timeout_s}"
             )
+        if type(self.spec) is not RequestSpec:  # (a user's Submit is built, not decoded)
+            raise ProtocolError(f"field 'spec' must be RequestSpec, got {type(self.spec).__name__}")
         if self.delivered_token_ids:
             self._check_delivered()
-        image_bytes = sum(map(len, self.images))
-        if image_bytes > MAX_REQUEST_IMAGE_BYTES:
-            limit = MAX_REQUEST_IMAGE_BYTES
-            raise ProtocolError(f"field 'images' holds {image_bytes} bytes, more than {limit} a request")
-        if type(self.sampling) is not SamplingParams:  # (a user's Submit is built, not decoded)
-            raise ProtocolError(f"field 'sampling' must be SamplingParams, got {type(self.sampling).__name__}")
 
     def _check_delivered(self) -> None:
         _require(
-            self.reattach and self.prompt_token_ids is not None,
-            "'delivered_token_ids' needs 'reattach' and 'prompt_token_ids'",
+            self.reattach and self.spec.prompt_token_ids is not None,
+            "'delivered_token_ids' needs 'reattach' and 'spec.prompt_token_ids'",
         )
-        max_tokens = self.sampling.max_tokens if isinstance(self.sampling, SamplingParams) else None
+        max_tokens = self.spec.sampling.max_tokens
         _require(
             max_tokens is None or len(self.delivered_token_ids) <= max_tokens,
             f"'delivered_token_ids' hold {len(self.delivered_token_ids)} tokens, more than sampling.max_tokens "
@@ -521,12 +557,13 @@ class Submit(Message, frozen=True):
 
 @message
 class Dispatch(Message, frozen=True):
-    """Coordinator -> worker: run this request.
+    """Coordinator -> worker: run this request (`spec`: the RequestSpec its Submit carried, with the seed the
+    coordinator gave it and, once known, its prompt's token ids).
 
     After a failover, `resumed_token_ids` holds the tokens already delivered to the client and
     `resumed_text_len` the characters of their text the client has (None: unknown, all that the worker's
     detokenizer would have shown): the worker appends the tokens to the prompt, rebuilds its detokenizer
-    and stop-string state from them, and sends only the text past that point. `sampling` is the request's
+    and stop-string state from them, and sends only the text past that point. `spec.sampling` is the request's
     own, unchanged (the engine counts the resumed tokens toward max_tokens and min_tokens), with its seed, so
     the stream goes on with no token or character lost or repeated, as if nothing had happened.
 
@@ -536,12 +573,9 @@ class Dispatch(Message, frozen=True):
 
     TYPE: ClassVar[str] = "dispatch"
     request_id: Id
-    sampling: SamplingParams
-    prompt: str | None = None
-    prompt_token_ids: TokenIdList | None = None
+    spec: RequestSpec
     resumed_token_ids: TokenIdList = msgspec.field(default_factory=list)
     resumed_text_len: NonNegative | None = None
-    priority: Priority = 0
     client: Id | None = None
     traceparent: str | None = None  # W3C trace context of the request (OpenTelemetry), passed through
     # A direct stream: its deltas go to the stream peer that subscribes with `stream_token` and, with keys, whose
@@ -552,27 +586,17 @@ class Dispatch(Message, frozen=True):
     # (`kv_consumer_key`: the consumer's public key, z85, "" without keys), then give it back (ErrorCode.KV_HANDOFF).
     kv_consumer_address: Address | None = None
     kv_consumer_key: Owner | None = None
-    images: Images = msgspec.field(default_factory=list)  # Submit.images, on every (re)dispatch
-    # Submit.decoder_prompt / decoder_prompt_token_ids (an encoder-decoder model's), on every (re)dispatch
-    decoder_prompt: str | None = None
-    decoder_prompt_token_ids: TokenIdList | None = None
 
     def __post_init__(self) -> None:
         _check_traceparent(self.traceparent)
-        _check_decoder_prompt(self.decoder_prompt, self.decoder_prompt_token_ids)
         if (self.kv_consumer_address is None) != (self.kv_consumer_key is None):
             raise ProtocolError("'kv_consumer_address' and 'kv_consumer_key' go together")
         if (self.stream_owner is None) != (self.stream_token is None):
             raise ProtocolError("'stream_owner' and 'stream_token' go together")
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ProtocolError("exactly one of 'prompt' and 'prompt_token_ids' must be given")
-        if self.resumed_token_ids and self.prompt_token_ids is None:
-            raise ProtocolError("'resumed_token_ids' needs 'prompt_token_ids'")
-
-
-def _check_decoder_prompt(text: str | None, ids: list[int] | None) -> None:
-    if text is not None and ids is not None:
-        raise ProtocolError("at most one of 'decoder_prompt' and 'decoder_prompt_token_ids' may be given")
+        if type(self.spec) is not RequestSpec:
+            raise ProtocolError(f"field 'spec' must be RequestSpec, got {type(self.spec).__name__}")
+        if self.resumed_token_ids and self.spec.prompt_token_ids is None:
+            raise ProtocolError("'resumed_token_ids' needs 'spec.prompt_token_ids'")
 
 
 @message

@@ -1,9 +1,9 @@
 """SamplingParams: how one request is decoded. vLLM's field names, validated on construction.
 
-Torch-free. A msgspec Struct (as vLLM's is): it travels over the wire nested in Submit and Dispatch as a map of the
-fields that differ from the defaults, whose types the decoder checks in C; its ranges are stated here, once
-(`__post_init__`, which runs when params are made and when a frame is decoded). Every complaint is a `FieldError`
-naming its field, so a frame's error points at it ("field 'sampling.top_p': ...").
+Torch-free. A msgspec Struct (as vLLM's is): it travels over the wire nested in a RequestSpec (protocol/messages.py)
+as a map of the fields that differ from the defaults, whose types the decoder checks in C; its ranges are stated
+here, once (`__post_init__`, which runs when params are made and when a frame is decoded). Every complaint is a
+`FieldError` naming its field, so a frame's error points at it ("field 'spec.sampling.top_p': ...").
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from infer.protocol.messages import (
     Hello,
     Load,
     Message,
+    RequestSpec,
     StepBatch,
     Submit,
     TokenIds,
@@ -75,9 +76,11 @@ class Harness:
         params = SamplingParams(**{"temperature": 0.0, "max_tokens": 10, **sampling})
         if prompt is None:
             ids = TokenIds(prompt_ids or [1, 2, 3])
-            submit = Submit(request_id=rid, prompt_token_ids=ids, sampling=params, pin_rank=pin, model=model)
+            submit = Submit(
+                request_id=rid, spec=RequestSpec(prompt_token_ids=ids, sampling=params), pin_rank=pin, model=model
+            )
         else:
-            submit = Submit(request_id=rid, prompt=prompt, sampling=params, pin_rank=pin, model=model)
+            submit = Submit(request_id=rid, spec=RequestSpec(prompt=prompt, sampling=params), pin_rank=pin, model=model)
         return self.send(client, submit)
 
     def step(self, wid: str, *deltas: Delta, free: int = 90) -> list[tuple[bytes, Message]]:

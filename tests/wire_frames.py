@@ -44,14 +44,17 @@ _SUBMIT = b"\x83\xa4type\xa6submit\xa1v"
 
 
 def issue_43_frames(depth: int = 10_000) -> list[bytes]:
-    """The frames of the report: a Submit nested `depth` deep in v, in body, in body.sampling.logit_bias; at 1,000
+    """The frames of the report: a Submit nested `depth` deep in v, in body, in body.spec.sampling.logit_bias; at 1,000
     each made `decode` raise RecursionError. Every generative test runs them first (hypothesis `@example`), 10,000
     deep: hypothesis raises Python's recursion limit by 2,000 while a test runs, which 1,000 levels would pass."""
     deep = b"\x91" * depth
     return [
         _SUBMIT + deep + b"\x04" + b"\xa4body\x80",
         _SUBMIT + b"\x04\xa4body" + deep + b"\x80",
-        _SUBMIT + b"\x04\xa4body\x83\xaarequest_id\xa1r\xa6prompt\xa1x\xa8sampling\x81\xaalogit_bias" + deep + b"\x04",
+        _SUBMIT
+        + b"\x04\xa4body\x82\xaarequest_id\xa1r\xa4spec\x82\xa6prompt\xa1x\xa8sampling\x81\xaalogit_bias"
+        + deep
+        + b"\x04",
     ]
 
 

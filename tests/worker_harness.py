@@ -4,7 +4,18 @@ clock the test moves, and BenchmarkEngine as the engine (no model, no torch: tok
 
 from __future__ import annotations
 
-from infer.protocol.messages import Delta, Dispatch, Heartbeat, Message, StepBatch, TokenIds, Welcome, decode, encode
+from infer.protocol.messages import (
+    Delta,
+    Dispatch,
+    Heartbeat,
+    Message,
+    RequestSpec,
+    StepBatch,
+    TokenIds,
+    Welcome,
+    decode,
+    encode,
+)
 from infer.protocol.sampling import SamplingParams
 from infer.worker.engine.config import EngineConfig
 from infer.worker.service.benchmark_engine import BenchmarkEngine
@@ -83,9 +94,9 @@ def dispatch(
     ids = None if isinstance(prompt, str) else TokenIds(list(prompt))
     return Dispatch(
         request_id=rid,
-        sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
-        prompt=text,
-        prompt_token_ids=ids,
+        spec=RequestSpec(
+            sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens), prompt=text, prompt_token_ids=ids
+        ),
         resumed_token_ids=TokenIds(list(resumed)),
         **fields,
     )

@@ -78,7 +78,9 @@ async def _resumed(leader: StandIn, reading: asyncio.Task) -> list:
     """The leader takes the client's copy of "r" (7, 8 delivered) and finishes it."""
     copy = await leader.recv(Submit)
     assert copy.request_id == "r" and copy.reattach
-    assert copy.prompt_token_ids == [1, 2, 3] and copy.delivered_token_ids == [7, 8] and copy.delivered_text_len == 2
+    assert (
+        copy.spec.prompt_token_ids == [1, 2, 3] and copy.delivered_token_ids == [7, 8] and copy.delivered_text_len == 2
+    )
     await leader.send(Delta.final("r", "length", token_ids=[9, 10], text="cd"))
     return await asyncio.wait_for(reading, WAIT)
 

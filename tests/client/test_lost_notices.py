@@ -78,7 +78,7 @@ async def test_a_token_id_prompt_is_not_echoed_and_still_re_attaches_with_its_ow
         stream = client.stream([1, 2, 3], params, request_id="r")
         first = asyncio.create_task(stream.__anext__())
         submit = await stand_in.recv(Submit)
-        assert submit.sampling == params
+        assert submit.spec.sampling == params
         await stand_in.send(
             DeltaBatch(
                 deltas=[Delta(request_id="r", token_ids=TokenIds([7, 8]), text="ab", num_prompt_tokens=3, seed=77)]
@@ -90,9 +90,9 @@ async def test_a_token_id_prompt_is_not_echoed_and_still_re_attaches_with_its_ow
         await stand_in.send(Error(message="this client was declared lost: silent", code="client_lost"))
         await stand_in.recv(Hello)
         again = await stand_in.recv(Submit)
-        assert again.reattach and list(again.prompt_token_ids) == [1, 2, 3] and again.prompt is None
+        assert again.reattach and list(again.spec.prompt_token_ids) == [1, 2, 3] and again.spec.prompt is None
         assert list(again.delivered_token_ids) == [7, 8] and again.delivered_text_len == 2
-        assert again.sampling == params.with_seed(77)  # the seed the first delta reported
+        assert again.spec.sampling == params.with_seed(77)  # the seed the first delta reported
         await stand_in.send(
             DeltaBatch(
                 deltas=[Delta(request_id="r", token_ids=TokenIds([9]), text="", finished=True, finish_reason="length")]

@@ -40,7 +40,7 @@ async def _raw_submit(address: str, sampling: dict) -> Error:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        body = {"request_id": "raw-poison", "prompt": "Hello", "sampling": sampling}
+        body = {"request_id": "raw-poison", "spec": {"prompt": "Hello", "sampling": sampling}}
         await sock.send(msgpack.packb({"type": "submit", "v": PROTOCOL_VERSION, "body": body}, use_bin_type=True))
         assert await sock.poll(30_000), "the coordinator did not answer the raw Submit"
         return decode(await sock.recv())

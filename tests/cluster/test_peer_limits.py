@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from infer import SamplingParams
-from infer.protocol.messages import Error, Hello, StatsRequest, Submit, TokenIds, encode
+from infer.protocol.messages import Error, Hello, RequestSpec, StatsRequest, Submit, TokenIds, encode
 
 pytestmark = pytest.mark.slow
 
@@ -111,8 +111,9 @@ async def test_fifty_clients_that_never_read_are_cut_off_and_others_are_served(c
                 for j in range(2):
                     submit = Submit(
                         request_id=f"flood-{i}-{j}",
-                        prompt_token_ids=TokenIds([1, 2, 3]),
-                        sampling=SamplingParams(max_tokens=4000),
+                        spec=RequestSpec(
+                            prompt_token_ids=TokenIds([1, 2, 3]), sampling=SamplingParams(max_tokens=4000)
+                        ),
                     )  # 200 s of steps
                     sock.send(encode(submit))
                 floods.append(sock)

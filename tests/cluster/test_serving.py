@@ -27,6 +27,7 @@ from infer.protocol.messages import (
     Load,
     ProtocolError,
     Refused,
+    RequestSpec,
     StatsRequest,
     StepBatch,
     Submit,
@@ -108,7 +109,7 @@ def _malformed(rng: random.Random) -> list[bytes]:
     valid = [
         encode(m)
         for m in (
-            Submit(request_id="fz", prompt="hi", sampling=SamplingParams(max_tokens=2)),
+            Submit(request_id="fz", spec=RequestSpec(prompt="hi", sampling=SamplingParams(max_tokens=2))),
             Hello(role="client", peer_id="fz"),
             Heartbeat(sent_at=1.0),
             Abort(request_ids=["x"]),
@@ -145,10 +146,10 @@ def _malformed(rng: random.Random) -> list[bytes]:
         return [
             rng.choice(
                 [
-                    _frame("submit", {"request_id": rng.randrange(100), "prompt": "x"}),
-                    _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temperature": "hot"}}),
-                    _frame("submit", {"request_id": "r", "prompt_token_ids": b"\x01\x02\x03"}),
-                    _frame("submit", {"request_id": "r", "prompt": "x", "pin_rank": -2}),
+                    _frame("submit", {"request_id": rng.randrange(100), "spec": {"prompt": "x"}}),
+                    _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"temperature": "hot"}}}),
+                    _frame("submit", {"request_id": "r", "spec": {"prompt_token_ids": b"\x01\x02\x03"}}),
+                    _frame("submit", {"request_id": "r", "spec": {"prompt": "x"}, "pin_rank": -2}),
                     _frame("abort", {"request_ids": "r"}),
                     _frame("heartbeat", {"sent_at": [1]}),
                     _frame("control", {"command": "explode"}),
@@ -158,7 +159,11 @@ def _malformed(rng: random.Random) -> list[bytes]:
             )
         ]
     if kind == 6:  # unknown / missing fields
-        return [rng.choice([_frame("submit", {"request_id": "r", "prompt": "x", "bogus": 1}), _frame("abort", {})])]
+        return [
+            rng.choice(
+                [_frame("submit", {"request_id": "r", "spec": {"prompt": "x"}, "bogus": 1}), _frame("abort", {})]
+            )
+        ]
     if kind == 7:  # several frames in one message
         return [rng.choice(valid), rng.choice(valid)]
     return [

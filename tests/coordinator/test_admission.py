@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 from core_harness import Harness, delta
 
-from infer.protocol.messages import Abort, DeltaBatch, Dispatch, Error, Hello, Submit, TokenIds
+from infer.protocol.messages import Abort, DeltaBatch, Dispatch, Error, Hello, RequestSpec, Submit, TokenIds
 from infer.protocol.sampling import SamplingParams
 
 CLIENT = b"client-1"
@@ -131,13 +131,17 @@ def test_a_request_past_its_timeout_fails_and_is_aborted_on_its_worker():
     h.send(
         CLIENT,
         Submit(
-            request_id="slow", prompt_token_ids=TokenIds([1, 2]), sampling=SamplingParams(max_tokens=50), timeout_s=0.25
+            request_id="slow",
+            spec=RequestSpec(prompt_token_ids=TokenIds([1, 2]), sampling=SamplingParams(max_tokens=50)),
+            timeout_s=0.25,
         ),
     )
     h.send(
         CLIENT,
         Submit(
-            request_id="fast", prompt_token_ids=TokenIds([1, 2]), sampling=SamplingParams(max_tokens=50), timeout_s=30.0
+            request_id="fast",
+            spec=RequestSpec(prompt_token_ids=TokenIds([1, 2]), sampling=SamplingParams(max_tokens=50)),
+            timeout_s=30.0,
         ),
     )
     h.step("w0", delta("slow", 4, prompt=[1, 2]), delta("fast", 4, prompt=[1, 2]))

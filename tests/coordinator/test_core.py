@@ -8,6 +8,7 @@ wait for workers, malformed frames. Every message the core emits goes through th
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 from core_harness import MODEL, Harness, client_deltas, delta, dispatches, worker_hello
 
@@ -23,6 +24,7 @@ from infer.protocol.messages import (
     Load,
     Message,
     Refused,
+    RequestSpec,
     StatsRequest,
     StepBatch,
     TokenIds,
@@ -97,7 +99,7 @@ def test_protocol_version_and_duplicate_rank_are_refused_with_what_differs():
     )
     (refused,) = of_type(h.raw(b"old", [old]), Refused)
     assert f"schema version 3 of 'hello' is not supported (this side speaks {PROTOCOL_VERSION})" in refused.reason
-    assert PROTOCOL_VERSION == 4
+    assert PROTOCOL_VERSION == 5
 
 
 def test_a_dead_ranks_replacement_is_accepted():
@@ -183,7 +185,7 @@ def test_least_loaded_follows_the_reports():
 def test_deltas_are_relayed_and_the_request_is_forgotten_when_finished():
     h = two_workers()
     (d,) = dispatches(h.submit(C1, "r", prompt="hello world", max_tokens=3))[W0]
-    assert d.prompt == "hello world" and d.sampling.max_tokens == 3 and not d.resumed_token_ids
+    assert d.spec.prompt == "hello world" and d.spec.sampling.max_tokens == 3 and not d.resumed_token_ids
     out = h.step("w0", delta("r", 7, prompt=[11, 12]), free=90)
     (first,) = client_deltas(out, C1)
     assert first.token_ids == [7] and first.prompt_token_ids == [11, 12]
@@ -235,9 +237,9 @@ def test_worker_death_resumes_the_stream_with_no_gap_and_no_repeat():
     _run_until_three_tokens(h)
     h.core.peer_gone(W0, h.now)  # a send found w0's connection gone (kill -9)
     (d,) = dispatches(h.out())[W1]
-    assert d.prompt is None and d.prompt_token_ids == [11, 12] and d.resumed_token_ids == [7, 8, 9]
+    assert d.spec.prompt is None and d.spec.prompt_token_ids == [11, 12] and d.resumed_token_ids == [7, 8, 9]
     # the request's own SamplingParams: the engine counts the 3 resumed tokens toward max_tokens / min_tokens
-    assert d.sampling == SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5)
+    assert d.spec.sampling == SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5)
     # the new worker echoes prompt ids in its first delta: the client must not see them twice
     out = h.step("w1", delta("r", 10, prompt=[11, 12, 7, 8, 9]))
     (cont,) = client_deltas(out, C1)
@@ -279,7 +281,9 @@ def test_a_redispatch_carries_the_params_unchanged_and_routing_charges_only_what
     h.core.peer_gone(W0, h.now)
     (d,) = dispatches(h.out())[W1]
     assert (
-        d.sampling == h.core.requests.get("r").sampling == SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5)
+        d.spec.sampling
+        == h.core.requests.get("r").sampling
+        == SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5)
     )
     assert h.core.workers.by_id["w1"].cost_in_flight == (2 + 3) + (10 - 3)  # prompt + resumed, then what is left
     # every token out, only the final delta lost with its worker: the request ends, nothing is dispatched
@@ -295,7 +299,7 @@ def test_an_unseeded_sampled_request_gets_a_seed_that_the_client_hears_and_the_r
     h = two_workers()
     out = h.submit(C1, "r", prompt="some prompt", temperature=1.0, max_tokens=10, stop=["xy"])
     (d0,) = dispatches(out)[W0]
-    seed = d0.sampling.seed
+    seed = d0.spec.sampling.seed
     assert isinstance(seed, int) and 0 <= seed < 2**63
     # the worker's first delta reports the seed it runs with; the client hears it once
     out = h.step(
@@ -307,8 +311,8 @@ def test_an_unseeded_sampled_request_gets_a_seed_that_the_client_hears_and_the_r
     h.step("w0", Delta(request_id="r", token_ids=TokenIds([9]), text="\u00e9"))  # its "x" held back: stop "xy"?
     h.core.peer_gone(W0, h.now)
     (d1,) = dispatches(h.out())[W1]
-    assert d1.sampling.seed == seed and d1.resumed_token_ids == [7, 8, 9]
-    assert d1.resumed_text_len == len("a\u00e9") and d1.sampling == d0.sampling
+    assert d1.spec.sampling.seed == seed and d1.resumed_token_ids == [7, 8, 9]
+    assert d1.resumed_text_len == len("a\u00e9") and d1.spec.sampling == d0.spec.sampling
     out = h.step(
         "w1", Delta(request_id="r", token_ids=TokenIds([10]), text="xz", prompt_token_ids=TokenIds([11, 12]), seed=seed)
     )
@@ -322,7 +326,7 @@ def test_seeds_are_kept_given_distinct_and_left_out_of_greedy_requests():
     out += h.submit(C1, "g", temperature=0.0)
     out += h.submit(C1, "u1", temperature=1.0)
     out += h.submit(C1, "u2", temperature=1.0)
-    sent = {d.request_id: d.sampling for ds in dispatches(out).values() for d in ds}
+    sent = {d.request_id: d.spec.sampling for ds in dispatches(out).values() for d in ds}
     assert sent["s"].seed == 5 and sent["g"].seed is None
     assert sent["u1"].seed != sent["u2"].seed
 
@@ -343,7 +347,7 @@ def test_death_before_the_first_delta_resends_the_original_prompt():
     h.submit(C1, "r", prompt="text")
     h.core.peer_gone(W0, h.now)
     (d,) = dispatches(h.out())[W1]
-    assert d.prompt == "text" and not d.resumed_token_ids
+    assert d.spec.prompt == "text" and not d.resumed_token_ids
 
 
 def test_a_request_whose_tokens_were_all_delivered_is_finished_not_resent():
@@ -648,23 +652,27 @@ def test_malformed_frames_get_an_error_and_change_nothing(frames, text):
 
 def _submit_frame(rid, sampling) -> bytes:
     return msgpack.packb(
-        {"type": "submit", "v": PROTOCOL_VERSION, "body": {"request_id": rid, "prompt": "x", "sampling": sampling}}
+        {
+            "type": "submit",
+            "v": PROTOCOL_VERSION,
+            "body": {"request_id": rid, "spec": {"prompt": "x", "sampling": sampling}},
+        }
     )
 
 
 @pytest.mark.parametrize(
     "sampling, text",
     [
-        ({"temperature": 0.0, "top_p": 1.5}, "field 'sampling.top_p': top_p must be in (0, 1]"),
-        ({"max_tokens": 2**64 - 1}, "field 'sampling.max_tokens': max_tokens must fit in 64 bits"),
-        ({"stop": {"a": 1}}, "field 'sampling.stop': Expected `array`, got `object`"),
+        ({"temperature": 0.0, "top_p": 1.5}, "field 'spec.sampling.top_p': top_p must be in (0, 1]"),
+        ({"max_tokens": 2**64 - 1}, "field 'spec.sampling.max_tokens': max_tokens must fit in 64 bits"),
+        ({"stop": {"a": 1}}, "field 'spec.sampling.stop': Expected `array`, got `object`"),
         (
             {"structured_outputs": {"choice": "ab"}},
-            "field 'sampling.structured_outputs.choice': Expected `array | null`",
+            "field 'spec.sampling.structured_outputs.choice': Expected `array | null`",
         ),
-        ({"logit_bias": [[1, 2, 3]]}, "field 'sampling.logit_bias[0]': Expected `array` of length 2"),
-        ({"temperature": 0.0, "teperature": 1}, "field 'sampling': Object contains unknown field `teperature`"),
-        ("hot", "field 'sampling': Expected `object`, got `str`"),
+        ({"logit_bias": [[1, 2, 3]]}, "field 'spec.sampling.logit_bias[0]': Expected `array` of length 2"),
+        ({"temperature": 0.0, "teperature": 1}, "field 'spec.sampling': Object contains unknown field `teperature`"),
+        ("hot", "field 'spec.sampling': Expected `object`, got `str`"),
     ],
 )
 def test_a_submit_with_bad_sampling_fails_that_request_alone_naming_the_field(sampling, text):
@@ -713,15 +721,51 @@ def test_a_failover_replays_an_encoder_decoder_request_with_both_prompts():
     h = two_workers()
     submit = Submit(
         request_id="r",
-        prompt="translate this",
-        sampling=SamplingParams(temperature=0.0, max_tokens=10),
-        decoder_prompt_token_ids=TokenIds([8, 9]),
+        spec=RequestSpec(
+            prompt="translate this",
+            sampling=SamplingParams(temperature=0.0, max_tokens=10),
+            decoder_prompt_token_ids=TokenIds([8, 9]),
+        ),
     )
     ((ran, (first,)),) = dispatches(h.send(C1, submit)).items()
-    assert first.prompt == "translate this" and first.decoder_prompt_token_ids == [8, 9]
+    assert first.spec.prompt == "translate this" and first.spec.decoder_prompt_token_ids == [8, 9]
     h.step(ran.decode(), delta("r", 4, prompt=[21, 22, 23]))
     h.step(ran.decode(), delta("r", 5))
     h.core.peer_gone(ran, h.now)
     (replay,) = dispatches(h.out())[W1 if ran == W0 else W0]
-    assert replay.prompt is None and replay.prompt_token_ids == [21, 22, 23]
-    assert replay.decoder_prompt_token_ids == [8, 9] and replay.resumed_token_ids == [4, 5]
+    assert replay.spec.prompt is None and replay.spec.prompt_token_ids == [21, 22, 23]
+    assert replay.spec.decoder_prompt_token_ids == [8, 9] and replay.resumed_token_ids == [4, 5]
+
+
+def test_a_dispatch_nests_the_spec_its_submit_carried_replaced_only_by_the_seed_and_the_prompt_ids():
+    """What a request asks is one RequestSpec from the client to the engine: the coordinator's record keeps the
+    Submit's, every Dispatch nests it, and the coordinator changes it in two ways only, each a new spec: a sampled
+    request without a seed is given one, and a text prompt's ids, once a worker tokenized them, replace the text."""
+    from infer.protocol.messages import Submit
+
+    h = two_workers()
+    greedy = RequestSpec(
+        prompt_token_ids=TokenIds([5, 6, 7]),
+        sampling=SamplingParams(temperature=0.0, max_tokens=4, stop=["x"]),
+        priority=-3,
+        decoder_prompt="ignored by a decoder-only worker, carried all the same",
+    )
+    ((_, (d,)),) = dispatches(h.send(C1, Submit(request_id="g", spec=greedy))).items()
+    assert d.spec == greedy == h.core.requests.get("g").spec  # (the harness sends frames through the codec)
+    assert d.spec.engine_args() == {
+        "prompt": [5, 6, 7],
+        "params": greedy.sampling,
+        "priority": -3,
+        "images": [],
+        "decoder_prompt": "ignored by a decoder-only worker, carried all the same",
+    }
+
+    sampled = RequestSpec(prompt="hello", sampling=SamplingParams(temperature=0.8, max_tokens=4))
+    ((ran, (d,)),) = dispatches(h.send(C1, Submit(request_id="s", spec=sampled))).items()
+    seed = d.spec.sampling.seed
+    assert seed is not None and d.spec == msgspec.structs.replace(sampled, sampling=sampled.sampling.with_seed(seed))
+    h.step(ran.decode(), delta("s", 9, prompt=[31, 32]))
+    h.core.peer_gone(ran, h.now)
+    (replay,) = dispatches(h.out())[W1 if ran == W0 else W0]
+    assert replay.spec == RequestSpec(prompt_token_ids=TokenIds([31, 32]), sampling=sampled.sampling.with_seed(seed))
+    assert replay.resumed_token_ids == [9]

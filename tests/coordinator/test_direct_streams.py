@@ -16,6 +16,7 @@ from infer.protocol.messages import (
     Hello,
     Placement,
     RequestSnapshot,
+    RequestSpec,
     Submit,
     TokenIds,
     encode,
@@ -76,8 +77,7 @@ def test_a_dead_workers_direct_stream_resumes_from_the_clients_copy():
     assert _of(out, alive.encode(), Dispatch) == []  # nothing is re-dispatched without it
     copy = Submit(
         request_id="r1",
-        prompt_token_ids=TokenIds([1, 2, 3]),
-        sampling=SamplingParams(temperature=0.0, max_tokens=10),
+        spec=RequestSpec(prompt_token_ids=TokenIds([1, 2, 3]), sampling=SamplingParams(temperature=0.0, max_tokens=10)),
         reattach=True,
         delivered_token_ids=TokenIds([5, 6]),
         delivered_text_len=6,
@@ -112,8 +112,7 @@ def test_a_running_direct_streams_copy_moves_it_from_that_copy_and_aborts_it_the
     h.submit(ALICE, "r1")
     copy = Submit(
         request_id="r1",
-        prompt_token_ids=TokenIds([1, 2, 3]),
-        sampling=SamplingParams(temperature=0.0, max_tokens=10),
+        spec=RequestSpec(prompt_token_ids=TokenIds([1, 2, 3]), sampling=SamplingParams(temperature=0.0, max_tokens=10)),
         reattach=True,
         delivered_token_ids=TokenIds([4]),
         delivered_text_len=3,
@@ -151,8 +150,7 @@ def _restarted_with(owner_key: str, client_key: bytes) -> tuple[Harness, list]:
     h.out()
     copy = Submit(
         request_id="r1",
-        prompt_token_ids=TokenIds([1, 2, 3]),
-        sampling=SamplingParams(temperature=0.0, max_tokens=10),
+        spec=RequestSpec(prompt_token_ids=TokenIds([1, 2, 3]), sampling=SamplingParams(temperature=0.0, max_tokens=10)),
         reattach=True,
         delivered_token_ids=TokenIds([7]),
         delivered_text_len=3,

@@ -20,6 +20,7 @@ from infer.protocol.messages import (
     Load,
     Message,
     Refused,
+    RequestSpec,
     StatsRequest,
     StepBatch,
     Submit,
@@ -58,8 +59,9 @@ def submit(h: Harness, client: bytes, key: bytes, rid: str) -> list[tuple[bytes,
         client,
         Submit(
             request_id=rid,
-            prompt_token_ids=TokenIds([1, 2, 3]),
-            sampling=SamplingParams(temperature=0.0, max_tokens=10),
+            spec=RequestSpec(
+                prompt_token_ids=TokenIds([1, 2, 3]), sampling=SamplingParams(temperature=0.0, max_tokens=10)
+            ),
         ),
         key,
     )

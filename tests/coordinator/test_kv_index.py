@@ -16,6 +16,7 @@ from infer.protocol.messages import (
     KvEvents,
     KvResync,
     Load,
+    RequestSpec,
     StepBatch,
     Submit,
     TokenIds,
@@ -204,8 +205,7 @@ def kv_cluster() -> Harness:
 def submit(harness: Harness, rid: str, prompt=PROMPT, session: str | None = None, client=b"c1"):
     msg = Submit(
         request_id=rid,
-        prompt_token_ids=TokenIds(prompt),
-        sampling=SamplingParams(temperature=0.0, max_tokens=4),
+        spec=RequestSpec(prompt_token_ids=TokenIds(prompt), sampling=SamplingParams(temperature=0.0, max_tokens=4)),
         session_id=session,
     )
     return harness.send(client, msg)
@@ -262,12 +262,16 @@ def test_a_dead_or_draining_worker_entries_go():
 
 def test_a_session_follows_its_rank_even_for_text_prompts():
     harness = kv_cluster()
-    first = dispatches(harness.send(b"c1", Submit(request_id="t1", prompt="hello " * 20, session_id="conv")))
+    first = dispatches(
+        harness.send(b"c1", Submit(request_id="t1", spec=RequestSpec(prompt="hello " * 20), session_id="conv"))
+    )
     (home,) = first
     harness.step(home.decode(), delta("t1", 5, finish="length"))
     for i in range(3):
         rid = f"t{i + 2}"
-        out = harness.send(b"c1", Submit(request_id=rid, prompt="hello " * (30 + i), session_id="conv"))
+        out = harness.send(
+            b"c1", Submit(request_id=rid, spec=RequestSpec(prompt="hello " * (30 + i)), session_id="conv")
+        )
         assert list(dispatches(out)) == [home]
         harness.step(home.decode(), delta(rid, 5, finish="length"))
 

@@ -132,10 +132,10 @@ def test_an_adapter_named_as_the_model_runs_on_its_base_models_workers():
     h = two_models()
     out = h.submit(C1, "r1", model="sql")
     (dispatch,) = dispatches(out)[b"v0"]
-    assert dispatch.sampling.lora_name == "sql"
+    assert dispatch.spec.sampling.lora_name == "sql"
     # the adapter in lora_name and no model: its base too
     (dispatch,) = dispatches(h.submit(C1, "r2", lora_name="sql"))[b"v0"]
-    assert dispatch.sampling.lora_name == "sql"
+    assert dispatch.spec.sampling.lora_name == "sql"
 
 
 def test_a_known_model_without_a_worker_waits_and_holds_up_no_other_model():

@@ -18,6 +18,7 @@ from infer.protocol.messages import (
     Heartbeat,
     Hello,
     Message,
+    RequestSpec,
     StatsRequest,
     Submit,
     TokenIds,
@@ -68,14 +69,15 @@ def test_a_lost_client_is_told_when_it_comes_back_and_resumes_by_reattaching():
         C1,
         Submit(
             request_id="a",
-            prompt_token_ids=TokenIds([1, 2, 3]),
+            spec=RequestSpec(
+                prompt_token_ids=TokenIds([1, 2, 3]), sampling=SamplingParams(temperature=0.0, max_tokens=10)
+            ),
             reattach=True,
-            sampling=SamplingParams(temperature=0.0, max_tokens=10),
             delivered_token_ids=TokenIds([4, 5]),
         ),
     )
     (dispatch,) = of_type(out, Dispatch)
-    assert list(dispatch.resumed_token_ids) == [4, 5] and dispatch.sampling.max_tokens == 10
+    assert list(dispatch.resumed_token_ids) == [4, 5] and dispatch.spec.sampling.max_tokens == 10
     assert of_type(h.send(C1, Heartbeat(sent_at=0.0)), Heartbeat, C1)  # served as usual again
     assert h.core.stats(h.now).clients_lost == 1
 
@@ -85,7 +87,7 @@ def test_an_unroutable_client_is_told_too_when_it_reconnects():
     h.submit(C1, "a")
     h.core.peer_gone(C1, h.now)
     assert of_type(h.out(), Abort)[0].request_ids == ["a"]
-    (notice,) = of_type(h.send(C1, Submit(request_id="b", prompt_token_ids=TokenIds([1]))), Error, C1)
+    (notice,) = of_type(h.send(C1, Submit(request_id="b", spec=RequestSpec(prompt_token_ids=TokenIds([1])))), Error, C1)
     assert notice.code == "client_lost"
     assert h.core.requests.get("b") is None  # dropped until it says hello again
 

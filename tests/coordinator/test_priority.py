@@ -9,7 +9,17 @@ import msgspec
 import pytest
 from core_harness import Harness, delta
 
-from infer.protocol.messages import DeltaBatch, Dispatch, Error, ProtocolError, Submit, TokenIds, decode, encode
+from infer.protocol.messages import (
+    DeltaBatch,
+    Dispatch,
+    Error,
+    ProtocolError,
+    RequestSpec,
+    Submit,
+    TokenIds,
+    decode,
+    encode,
+)
 from infer.protocol.sampling import SamplingParams
 
 CLIENT = b"client-1"
@@ -20,9 +30,11 @@ def submit(h: Harness, rid: str, priority: int):
         CLIENT,
         Submit(
             request_id=rid,
-            prompt_token_ids=TokenIds([1, 2, 3]),
-            sampling=SamplingParams(temperature=0.0, max_tokens=10),
-            priority=priority,
+            spec=RequestSpec(
+                prompt_token_ids=TokenIds([1, 2, 3]),
+                sampling=SamplingParams(temperature=0.0, max_tokens=10),
+                priority=priority,
+            ),
         ),
     )
 
@@ -35,20 +47,20 @@ def test_the_priority_reaches_the_worker_and_survives_a_redispatch():
     h = Harness()
     h.worker("w0", 0)
     first = _of(submit(h, "a", -7), Dispatch)
-    assert first[0].priority == -7
+    assert first[0].spec.priority == -7
     h.step("w0", delta("a", 5, prompt=[1, 2, 3]))
     out = h.worker("w1", 1)
     h.now += 5
     out = h.advance(0.1)  # w0 silent past worker_timeout: "a" moves to w1
     moved = _of(out, Dispatch)
-    assert [(d.request_id, d.priority, list(d.resumed_token_ids)) for d in moved] == [("a", -7, [5])]
+    assert [(d.request_id, d.spec.priority, list(d.resumed_token_ids)) for d in moved] == [("a", -7, [5])]
 
 
 def test_a_priority_outside_64_bits_is_a_protocol_error_naming_the_field():
-    frame = encode(Submit(request_id="a", prompt_token_ids=TokenIds([1]), priority=0))
+    frame = encode(Submit(request_id="a", spec=RequestSpec(prompt_token_ids=TokenIds([1]), priority=0)))
     with pytest.raises(ProtocolError, match="priority"):
-        Submit(request_id="a", prompt_token_ids=TokenIds([1]), priority=2**63)
-    assert decode(frame).priority == 0
+        Submit(request_id="a", spec=RequestSpec(prompt_token_ids=TokenIds([1]), priority=2**63))
+    assert decode(frame).spec.priority == 0
 
 
 def test_held_requests_are_dispatched_best_priority_first():

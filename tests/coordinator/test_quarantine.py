@@ -106,7 +106,7 @@ def test_failover_after_one_death_keeps_the_stream_exact():
     h.step("w0", delta("r", 7, prompt=[1, 2, 3]))
     h.core.peer_gone(W0, h.now)
     (d,) = dispatches(h.out())[W1]
-    assert d.resumed_token_ids == [7] and d.sampling.max_tokens == 5
+    assert d.resumed_token_ids == [7] and d.spec.sampling.max_tokens == 5
     out = h.step("w1", delta("r", 8, prompt=[1, 2, 3, 7]), delta("r", 9, finish="length"))
     assert [x.token_ids for x in client_deltas(out, C1)] == [[8], [9]]
 

@@ -11,7 +11,17 @@ from __future__ import annotations
 import msgspec
 from core_harness import Harness, delta, worker_hello
 
-from infer.protocol.messages import Abort, DeltaBatch, Dispatch, Error, Heartbeat, RequestSnapshot, Submit, TokenIds
+from infer.protocol.messages import (
+    Abort,
+    DeltaBatch,
+    Dispatch,
+    Error,
+    Heartbeat,
+    RequestSnapshot,
+    RequestSpec,
+    Submit,
+    TokenIds,
+)
 from infer.protocol.sampling import SamplingParams
 
 CLIENT = b"client-1"
@@ -36,9 +46,10 @@ def _reattach(h: Harness, rid: str, held: list[int], **extra):
         CLIENT,
         Submit(
             request_id=rid,
-            prompt_token_ids=TokenIds(PROMPT),
+            spec=RequestSpec(
+                prompt_token_ids=TokenIds(PROMPT), sampling=SamplingParams(temperature=0.0, max_tokens=10)
+            ),
             reattach=True,
-            sampling=SamplingParams(temperature=0.0, max_tokens=10),
             delivered_token_ids=TokenIds(held),
             **extra,
         ),
@@ -104,7 +115,7 @@ def test_without_a_worker_copy_the_request_resumes_from_the_clients_tokens():
     assert not _reattach(h, "r", [7, 8])
     out = h.advance(0.6)  # grace over: nobody runs it
     (dispatch,) = _to(out, b"w0", Dispatch)
-    assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.sampling.max_tokens == 10
+    assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.spec.sampling.max_tokens == 10
 
 
 def test_a_copy_that_does_not_fit_the_clients_is_aborted_and_the_request_resumed():
@@ -123,16 +134,17 @@ def test_a_resume_from_the_clients_copy_keeps_its_seed_and_the_length_of_its_tex
         CLIENT,
         Submit(
             request_id="r",
-            prompt_token_ids=TokenIds(PROMPT),
+            spec=RequestSpec(
+                prompt_token_ids=TokenIds(PROMPT), sampling=SamplingParams(temperature=1.0, max_tokens=10, seed=42)
+            ),
             reattach=True,
-            sampling=SamplingParams(temperature=1.0, max_tokens=10, seed=42),
             delivered_token_ids=TokenIds([7, 8]),
             delivered_text_len=3,
         ),
     )
     (dispatch,) = _to(out, b"w0", Dispatch)
     assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.resumed_text_len == 3
-    assert dispatch.sampling.seed == 42
+    assert dispatch.spec.sampling.seed == 42
 
 
 def test_a_taken_back_copy_keeps_the_seed_it_runs_with_and_reports_it_first():
@@ -144,16 +156,17 @@ def test_a_taken_back_copy_keeps_the_seed_it_runs_with_and_reports_it_first():
         CLIENT,
         Submit(
             request_id="r",
-            prompt_token_ids=TokenIds(PROMPT),
+            spec=RequestSpec(
+                prompt_token_ids=TokenIds(PROMPT), sampling=SamplingParams(temperature=1.0, max_tokens=10)
+            ),
             reattach=True,
-            sampling=SamplingParams(temperature=1.0, max_tokens=10),
         ),
     )
     (catch_up,) = _client_deltas(out)
     assert catch_up.seed == 99 and list(catch_up.token_ids) == [7, 8] and catch_up.text == "<7><8>"
     h.core.peer_gone(b"w0", h.now)
     (dispatch,) = _to(h.worker("w1", 1), b"w1", Dispatch)
-    assert dispatch.sampling.seed == 99 and dispatch.resumed_text_len == len("<7><8>")
+    assert dispatch.spec.sampling.seed == 99 and dispatch.resumed_text_len == len("<7><8>")
 
 
 def test_copies_no_client_claims_are_aborted_after_the_client_timeout():
@@ -172,7 +185,9 @@ def test_a_request_already_here_is_not_attached_twice_and_others_ids_are_refused
     h.submit(CLIENT, "r")
     assert not _reattach(h, "r", [])  # the queued Submit got here first: nothing to do
     (err,) = _to(
-        h.send(b"other", Submit(request_id="r", prompt_token_ids=TokenIds(PROMPT), reattach=True)), b"other", Error
+        h.send(b"other", Submit(request_id="r", spec=RequestSpec(prompt_token_ids=TokenIds(PROMPT)), reattach=True)),
+        b"other",
+        Error,
     )
     assert "already in flight" in err.message
 

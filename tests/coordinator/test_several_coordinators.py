@@ -20,6 +20,7 @@ from infer.protocol.messages import (
     PeerAck,
     PeerBeat,
     Redirect,
+    RequestSpec,
     StatsRequest,
     Submit,
     VoteGrant,
@@ -114,7 +115,7 @@ def test_a_successor_holds_a_request_for_a_model_whose_workers_have_not_register
     successor = Coordinator(_config(1), later, election=successor_election)
     _run(successor, b"w0", worker_hello("w0", None), later)  # MODEL's worker is back, "other"'s not yet
     _run(successor, b"c", Hello(role="client", peer_id="c"), later)
-    out = _run(successor, b"c", Submit(request_id="r", prompt_token_ids=[1, 2], model="other"), later)
+    out = _run(successor, b"c", Submit(request_id="r", spec=RequestSpec(prompt_token_ids=[1, 2]), model="other"), later)
     assert out == [] and "r" in successor.books.requests.held  # held: neither refused nor sent to MODEL's worker
     [models] = [m for _, m in _run(successor, b"c", StatsRequest(), later) if m.TYPE == "cluster_stats"]
     assert [m.model_id for m in models.models] == ["other", MODEL]  # (by name) what an HTTP front admits requests by

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from core_harness import Harness, delta
 
-from infer.protocol.messages import Dispatch, Submit, TokenIds
+from infer.protocol.messages import Dispatch, RequestSpec, Submit, TokenIds
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import SpanSink, parse_traceparent
 
@@ -20,9 +20,10 @@ def _submit(h: Harness, rid: str, traceparent: str | None) -> Dispatch:
         CLIENT,
         Submit(
             request_id=rid,
-            prompt_token_ids=TokenIds([1, 2, 3]),
+            spec=RequestSpec(
+                prompt_token_ids=TokenIds([1, 2, 3]), sampling=SamplingParams(temperature=0.0, max_tokens=2)
+            ),
             traceparent=traceparent,
-            sampling=SamplingParams(temperature=0.0, max_tokens=2),
         ),
     )
     [dispatch] = [m for _, m in out if isinstance(m, Dispatch)]

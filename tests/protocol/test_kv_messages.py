@@ -14,6 +14,7 @@ from infer.protocol.messages import (
     KvEvents,
     Load,
     ProtocolError,
+    RequestSpec,
     StepBatch,
     Submit,
     TokenIds,
@@ -34,7 +35,7 @@ def test_frames_of_older_peers_decode_with_the_defaults():
     assert isinstance(batch, StepBatch) and batch.kv_events is None
     welcome = decode(_frame("welcome", {"coordinator_id": "c", "state": "running"}))
     assert isinstance(welcome, Welcome) and welcome.kv_events is False
-    submit = decode(_frame("submit", {"request_id": "r", "prompt": "hi"}))
+    submit = decode(_frame("submit", {"request_id": "r", "spec": {"prompt": "hi"}}))
     assert isinstance(submit, Submit) and submit.session_id is None
 
 
@@ -67,6 +68,6 @@ def test_a_reset_starts_its_epoch():
 @pytest.mark.parametrize("session", ["", "s" * (MAX_SESSION_ID_LEN + 1)])
 def test_a_session_id_is_bounded_built_or_decoded(session):
     with pytest.raises(ProtocolError, match="session_id"):
-        Submit(request_id="r", prompt_token_ids=TokenIds([1]), session_id=session)
+        Submit(request_id="r", spec=RequestSpec(prompt_token_ids=TokenIds([1])), session_id=session)
     with pytest.raises(ProtocolError, match="session_id"):
-        decode(_frame("submit", {"request_id": "r", "prompt": "hi", "session_id": session}))
+        decode(_frame("submit", {"request_id": "r", "spec": {"prompt": "hi"}, "session_id": session}))

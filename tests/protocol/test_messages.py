@@ -48,6 +48,7 @@ from infer.protocol.messages import (
     Refused,
     Replica,
     RequestSnapshot,
+    RequestSpec,
     StatsRequest,
     StepBatch,
     StreamBatch,
@@ -110,27 +111,28 @@ EXAMPLES = [
     Welcome(coordinator_id="coord", state="running", model_id="m"),
     Welcome(coordinator_id="coord", state="running", model_id="m", instance="5f3a"),
     Refused(reason="model id differs: coordinator serves 'a', worker has 'b'"),
-    Submit(request_id="r1", prompt="hello", sampling=SamplingParams(temperature=0.0, max_tokens=4, stop=["\n"])),
-    Submit(request_id="r2", prompt_token_ids=TokenIds([1, 2, 2**31 - 1]), pin_rank=1),
-    Submit(request_id="r3", prompt="hi", model="/models/qwen3-0.6b-int4"),
+    Submit(
+        request_id="r1",
+        spec=RequestSpec(prompt="hello", sampling=SamplingParams(temperature=0.0, max_tokens=4, stop=["\n"])),
+    ),
+    Submit(request_id="r2", spec=RequestSpec(prompt_token_ids=TokenIds([1, 2, 2**31 - 1])), pin_rank=1),
+    Submit(request_id="r3", spec=RequestSpec(prompt="hi"), model="/models/qwen3-0.6b-int4"),
     Submit(
         request_id="r4",
-        prompt_token_ids=TokenIds([1, 2]),
+        spec=RequestSpec(prompt_token_ids=TokenIds([1, 2])),
         timeout_s=2.5,
         reattach=True,
         delivered_token_ids=TokenIds([3, 4]),
     ),
     Dispatch(
         request_id="r1",
-        prompt_token_ids=TokenIds([5, 6, 7]),
-        sampling=SamplingParams(max_tokens=3),
+        spec=RequestSpec(prompt_token_ids=TokenIds([5, 6, 7]), sampling=SamplingParams(max_tokens=3)),
         resumed_token_ids=TokenIds([8]),
     ),
-    Dispatch(request_id="r3", prompt="text", sampling=SamplingParams()),
+    Dispatch(request_id="r3", spec=RequestSpec(prompt="text", sampling=SamplingParams())),
     Dispatch(
         request_id="r5",
-        prompt="text",
-        sampling=SamplingParams(structured_outputs={"regex": "[a-z]+"}),
+        spec=RequestSpec(prompt="text", sampling=SamplingParams(structured_outputs={"regex": "[a-z]+"})),
         client="5f3a9c0d1e2b4a68",
     ),
     Accepted(request_id="r1"),
@@ -282,12 +284,13 @@ EXAMPLES += [
     Hello(role="client", peer_id="c2", streams=True),
     Dispatch(
         request_id="r",
-        sampling=SamplingParams(),
-        prompt_token_ids=TokenIds([1, 2]),
+        spec=RequestSpec(sampling=SamplingParams(), prompt_token_ids=TokenIds([1, 2])),
         stream_owner=KEY,
         stream_token=TOKEN,
     ),
-    Dispatch(request_id="r", sampling=SamplingParams(), prompt="hi", stream_owner="", stream_token=TOKEN),
+    Dispatch(
+        request_id="r", spec=RequestSpec(sampling=SamplingParams(), prompt="hi"), stream_owner="", stream_token=TOKEN
+    ),
     Placement(request_id="r", stream_address="tcp://127.0.0.1:5555", worker_key=KEY, stream_token=TOKEN),
     Placement(request_id="r"),
     Subscribe(request_id="r", stream_token=TOKEN, num_tokens=3, text_len=7),
@@ -327,7 +330,7 @@ EXAMPLES += [
         kv_events=KvEvents(epoch=3, seq=0, reset=True, stored=[0, 2**64 - 1]),
     ),
     KvResync(reason="a gap in its KV events"),
-    Submit(request_id="r", prompt_token_ids=TokenIds([1]), session_id="conversation-7"),
+    Submit(request_id="r", spec=RequestSpec(prompt_token_ids=TokenIds([1])), session_id="conversation-7"),
     # disaggregated prefill and decode (worker/kv/transfer.py)
     Hello(
         role="worker",
@@ -342,8 +345,7 @@ EXAMPLES += [
     ),
     Dispatch(
         request_id="r",
-        sampling=SamplingParams(),
-        prompt_token_ids=TokenIds([1]),
+        spec=RequestSpec(sampling=SamplingParams(), prompt_token_ids=TokenIds([1])),
         kv_consumer_address="tcp://127.0.0.1:5557",
         kv_consumer_key=KEY,
     ),
@@ -390,7 +392,9 @@ def test_kv_roles_and_transfers_are_checked_when_built_and_decoded():
     with pytest.raises(ProtocolError, match="a kv_consumer hello needs field 'kv_address'"):
         Hello(**common, max_model_len=64, kv_role="kv_consumer")
     with pytest.raises(ProtocolError, match="'kv_consumer_address' and 'kv_consumer_key' go together"):
-        Dispatch(request_id="r", sampling=SamplingParams(), prompt="x", kv_consumer_address="tcp://h:1")
+        Dispatch(
+            request_id="r", spec=RequestSpec(sampling=SamplingParams(), prompt="x"), kv_consumer_address="tcp://h:1"
+        )
     with pytest.raises(ProtocolError, match="with 'shm_path': no 'blocks', a checksum per block"):
         KvBlocks(
             transfer_id="r",
@@ -420,10 +424,16 @@ def test_round_trip(msg):
 def test_token_ids_travel_as_an_int_array_checked_by_the_decoder():
     r2 = next(m for m in EXAMPLES if isinstance(m, Submit) and m.request_id == "r2")
     frame = msgpack.unpackb(encode(r2), raw=False)
-    assert frame["body"]["prompt_token_ids"] == [1, 2, 2**31 - 1]
+    assert frame["body"]["spec"]["prompt_token_ids"] == [1, 2, 2**31 - 1]
     for bad in ([1, -1], [2**31], [1, "2"]):
-        with pytest.raises(ProtocolError, match=r"field 'prompt_token_ids\[1\]|field 'prompt_token_ids\[0\]'"):
-            decode(_frame("submit", {"request_id": "r", "prompt_token_ids": bad if bad[0] != 2**31 else [0, *bad]}))
+        with pytest.raises(
+            ProtocolError, match=r"field 'spec.prompt_token_ids\[1\]|field 'spec.prompt_token_ids\[0\]'"
+        ):
+            decode(
+                _frame(
+                    "submit", {"request_id": "r", "spec": {"prompt_token_ids": bad if bad[0] != 2**31 else [0, *bad]}}
+                )
+            )
 
 
 def test_fields_at_their_default_stay_off_the_wire():
@@ -455,10 +465,8 @@ def test_fields_at_their_default_stay_off_the_wire():
 
 
 def test_sampling_travels_nested_with_only_the_fields_that_differ_from_the_defaults():
-    assert set(msgpack.unpackb(encode(Submit(request_id="r", prompt="x")), raw=False)["body"]) == {
-        "request_id",
-        "prompt",
-    }
+    body = msgpack.unpackb(encode(Submit(request_id="r", spec=RequestSpec(prompt="x"))), raw=False)["body"]
+    assert body == {"request_id": "r", "spec": {"prompt": "x"}}
     params = SamplingParams(
         temperature=0.0,
         max_tokens=None,
@@ -467,8 +475,8 @@ def test_sampling_travels_nested_with_only_the_fields_that_differ_from_the_defau
         seed=0,
         structured_outputs={"choice": ["a", "b"]},
     )
-    submit = Submit(request_id="r", prompt="x", sampling=params)
-    assert msgpack.unpackb(encode(submit), raw=False)["body"]["sampling"] == {
+    submit = Submit(request_id="r", spec=RequestSpec(prompt="x", sampling=params))
+    assert msgpack.unpackb(encode(submit), raw=False)["body"]["spec"]["sampling"] == {
         "temperature": 0.0,
         "max_tokens": None,
         "stop": ["\n"],
@@ -477,7 +485,7 @@ def test_sampling_travels_nested_with_only_the_fields_that_differ_from_the_defau
         "structured_outputs": {"choice": ["a", "b"]},
     }
     back = decode(encode(submit))
-    assert back.sampling == params and type(back.sampling) is SamplingParams
+    assert back.spec.sampling == params and type(back.spec.sampling) is SamplingParams
 
 
 def _frame(kind, body, version=PROTOCOL_VERSION):
@@ -537,88 +545,103 @@ def _frame(kind, body, version=PROTOCOL_VERSION):
             ),
             "field 'spec_decode_num_accepted_tokens_per_pos': Expected `array` of length <= 64",
         ),
-        (_frame("submit", {"request_id": "r"}), "exactly one of 'prompt' and 'prompt_token_ids'"),
         (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temperature": -1}}),
-            "field 'sampling.temperature': temperature must be >= 0",
+            _frame("submit", {"request_id": "r", "spec": {}}),
+            "field 'spec': exactly one of 'prompt' and 'prompt_token_ids'",
+        ),
+        (_frame("submit", {"request_id": "r"}), "'submit': Object missing required field `spec`"),
+        (
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"temperature": -1}}}),
+            "field 'spec.sampling.temperature': temperature must be >= 0",
         ),
         (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temprature": 1}}),
-            "field 'sampling': Object contains unknown field `temprature`",
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"temprature": 1}}}),
+            "field 'spec.sampling': Object contains unknown field `temprature`",
         ),
         (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"top_p": 2}}),
-            "field 'sampling.top_p': top_p must be in \\(0, 1\\]",
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"top_p": 2}}}),
+            "field 'spec.sampling.top_p': top_p must be in \\(0, 1\\]",
         ),
         (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"top_p": "x"}}),
-            "field 'sampling.top_p': Expected `float`, got `str`",
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"top_p": "x"}}}),
+            "field 'spec.sampling.top_p': Expected `float`, got `str`",
         ),
         (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"max_tokens": 2**64 - 1}}),
-            "field 'sampling.max_tokens': max_tokens must fit in 64 bits",
-        ),
-        (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"min_tokens": 9, "max_tokens": 3}}),
-            "field 'sampling.min_tokens': min_tokens \\(9\\) must be <= max_tokens \\(3\\)",
-        ),
-        (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": 5}}),
-            "field 'sampling.stop': Expected `array`, got `int`",
-        ),
-        (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": ["a", 3]}}),
-            "field 'sampling.stop\\[1\\]': Expected `str`, got `int`",
-        ),
-        (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": ["a", ""]}}),
-            "field 'sampling.stop': stop must hold non-empty strings",
-        ),
-        (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"logit_bias": [[1, 1e9]]}}),
-            "field 'sampling.logit_bias': logit_bias values must be in \\[-100, 100\\]",
-        ),
-        (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": 5}}}),
-            "field 'sampling.structured_outputs.regex': Expected `str | null`, got `int`",
-        ),
-        (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": ""}}}),
-            "field 'sampling.structured_outputs': structured_outputs.regex must be a non-empty string",
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"max_tokens": 2**64 - 1}}}),
+            "field 'spec.sampling.max_tokens': max_tokens must fit in 64 bits",
         ),
         (
             _frame(
-                "submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": "a", "x": 1}}}
+                "submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"min_tokens": 9, "max_tokens": 3}}}
             ),
-            "field 'sampling.structured_outputs': Object contains unknown field `x`",
+            "field 'spec.sampling.min_tokens': min_tokens \\(9\\) must be <= max_tokens \\(3\\)",
         ),
         (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {1: 2, "b": 3}}),
-            "Expected `str`, got `int` - at `key` in `\\$.sampling`",
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"stop": 5}}}),
+            "field 'spec.sampling.stop': Expected `array`, got `int`",
         ),
         (
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": [1]}),
-            "field 'sampling': Expected `object`, got `array`",
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"stop": ["a", 3]}}}),
+            "field 'spec.sampling.stop\\[1\\]': Expected `str`, got `int`",
         ),
         (
-            _frame("dispatch", {"request_id": "r", "prompt": "x", "sampling": {"seed": -1}}),
-            "field 'sampling.seed': seed must be in \\[0, 2\\*\\*63\\)",
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"stop": ["a", ""]}}}),
+            "field 'spec.sampling.stop': stop must hold non-empty strings",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"logit_bias": [[1, 1e9]]}}}),
+            "field 'spec.sampling.logit_bias': logit_bias values must be in \\[-100, 100\\]",
+        ),
+        (
+            _frame(
+                "submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"structured_outputs": {"regex": 5}}}}
+            ),
+            "field 'spec.sampling.structured_outputs.regex': Expected `str | null`, got `int`",
+        ),
+        (
+            _frame(
+                "submit",
+                {"request_id": "r", "spec": {"prompt": "x", "sampling": {"structured_outputs": {"regex": ""}}}},
+            ),
+            "field 'spec.sampling.structured_outputs': structured_outputs.regex must be a non-empty string",
+        ),
+        (
+            _frame(
+                "submit",
+                {
+                    "request_id": "r",
+                    "spec": {"prompt": "x", "sampling": {"structured_outputs": {"regex": "a", "x": 1}}},
+                },
+            ),
+            "field 'spec.sampling.structured_outputs': Object contains unknown field `x`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": {1: 2, "b": 3}}}),
+            "Expected `str`, got `int` - at `key` in `\\$.spec.sampling`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "spec": {"prompt": "x", "sampling": [1]}}),
+            "field 'spec.sampling': Expected `object`, got `array`",
+        ),
+        (
+            _frame("dispatch", {"request_id": "r", "spec": {"prompt": "x", "sampling": {"seed": -1}}}),
+            "field 'spec.sampling.seed': seed must be in \\[0, 2\\*\\*63\\)",
         ),
         (
             _frame("dispatch", {"request_id": "r", "prompt": "x"}),
-            "'dispatch': Object missing required field `sampling`",
+            "'dispatch': Object contains unknown field `prompt`",
         ),
         (
-            _frame("submit", {"request_id": "r", "prompt_token_ids": b"\x01\x02\x03"}),
-            "field 'prompt_token_ids': Expected `array \\| null`, got `bytes`",
+            _frame("submit", {"request_id": "r", "spec": {"prompt_token_ids": b"\x01\x02\x03"}}),
+            "field 'spec.prompt_token_ids': Expected `array \\| null`, got `bytes`",
         ),
         (
-            _frame("submit", {"request_id": "r", "prompt_token_ids": [1, -1]}),
-            "field 'prompt_token_ids\\[1\\]': Expected `int` >= 0",
+            _frame("submit", {"request_id": "r", "spec": {"prompt_token_ids": [1, -1]}}),
+            "field 'spec.prompt_token_ids\\[1\\]': Expected `int` >= 0",
         ),
-        (_frame("submit", {"request_id": "", "prompt": "x"}), "'request_id' must be 1..256"),
+        (_frame("submit", {"request_id": "", "spec": {"prompt": "x"}}), "'request_id' must be 1..256"),
         (
-            _frame("dispatch", {"request_id": "", "prompt": "x", "sampling": {}}),
+            _frame("dispatch", {"request_id": "", "spec": {"prompt": "x", "sampling": {}}}),
             "field 'request_id': Expected `str` of length >= 1",
         ),
         (_frame("control", {"command": "explode"}), "field 'command': Invalid enum value 'explode'"),
@@ -638,8 +661,8 @@ def _frame(kind, body, version=PROTOCOL_VERSION):
         ),
         (_frame("step_batch", {"deltas": [5], "load": {}}), "field 'deltas\\[0\\]': Expected `object`, got `int`"),
         (
-            _frame("dispatch", {"request_id": "r", "sampling": {}, "prompt": "x", "resumed_token_ids": [1]}),
-            "'resumed_token_ids' needs 'prompt_token_ids'",
+            _frame("dispatch", {"request_id": "r", "spec": {"sampling": {}, "prompt": "x"}, "resumed_token_ids": [1]}),
+            "'resumed_token_ids' needs 'spec.prompt_token_ids'",
         ),
         (_frame("stats_request", {"min_healthy_workers": -1}), "'min_healthy_workers' must be >= 0"),
         (_frame("stats_request", {"timeout_s": 1e9}), "'timeout_s' must be in"),
@@ -720,14 +743,15 @@ def test_fuzz_only_protocol_errors():
         (dict(timeout_s=float("nan")), "timeout_s"),
         (dict(delivered_token_ids=TokenIds([3])), "reattach"),
         (
-            dict(reattach=True, delivered_token_ids=TokenIds([3, 4, 5]), sampling=SamplingParams(max_tokens=2)),
+            dict(reattach=True, delivered_token_ids=TokenIds([3, 4, 5]), max_tokens=2),
             "'delivered_token_ids' hold 3 tokens, more than sampling.max_tokens \\(2\\)",
         ),
     ],
 )
 def test_submit_deadline_and_reattach_are_checked(bad, text):
+    sampling = SamplingParams(max_tokens=bad.pop("max_tokens", 16))
     with pytest.raises(ProtocolError, match=text):
-        Submit(request_id="r", prompt_token_ids=TokenIds([1]), **bad)
+        Submit(request_id="r", spec=RequestSpec(prompt_token_ids=TokenIds([1]), sampling=sampling), **bad)
 
 
 @pytest.mark.parametrize(
@@ -776,7 +800,9 @@ def test_request_output_is_the_wire_delta_and_final_makes_every_last_one():
         ),
         (lambda: Placement(request_id="r", stream_token=TOKEN), "'stream_address' and 'stream_token' go together"),
         (
-            lambda: Dispatch(request_id="r", sampling=SamplingParams(), prompt="x", stream_token=TOKEN),
+            lambda: Dispatch(
+                request_id="r", spec=RequestSpec(sampling=SamplingParams(), prompt="x"), stream_token=TOKEN
+            ),
             "'stream_owner' and 'stream_token' go together",
         ),
         (
@@ -817,7 +843,12 @@ def test_direct_stream_messages_are_checked(build, text):
         (
             _frame(
                 "dispatch",
-                {"request_id": "r", "sampling": {}, "prompt": "x", "stream_owner": "k" * 41, "stream_token": TOKEN},
+                {
+                    "request_id": "r",
+                    "spec": {"sampling": {}, "prompt": "x"},
+                    "stream_owner": "k" * 41,
+                    "stream_token": TOKEN,
+                },
             ),
             "stream_owner",
         ),

@@ -9,7 +9,7 @@ import math
 import msgpack
 import pytest
 
-from infer.protocol.messages import PROTOCOL_VERSION, ProtocolError, Submit, decode
+from infer.protocol.messages import PROTOCOL_VERSION, ProtocolError, RequestSpec, Submit, decode
 from infer.protocol.sampling import MAX_REPETITION_PENALTY, MAX_TOP_K, MIN_REPETITION_PENALTY, SamplingParams
 
 POISON = dict(temperature=1.0, top_p=0.5, repetition_penalty=1e-50)
@@ -42,12 +42,16 @@ def test_values_outside_the_float32_domain_are_refused_naming_the_field(kwargs, 
 
 def test_the_poison_cannot_travel_in_a_submit_either():
     frame = msgpack.packb(
-        {"type": "submit", "v": PROTOCOL_VERSION, "body": {"request_id": "r", "prompt": "x", "sampling": dict(POISON)}}
+        {
+            "type": "submit",
+            "v": PROTOCOL_VERSION,
+            "body": {"request_id": "r", "spec": {"prompt": "x", "sampling": dict(POISON)}},
+        }
     )
-    with pytest.raises(ProtocolError, match="field 'sampling.repetition_penalty': repetition_penalty must be in"):
+    with pytest.raises(ProtocolError, match="field 'spec.sampling.repetition_penalty': repetition_penalty must be in"):
         decode(frame)
     with pytest.raises(ProtocolError, match="must be SamplingParams"):
-        Submit(request_id="r", prompt="x", sampling=dict(POISON))  # type: ignore[arg-type]
+        Submit(request_id="r", spec=RequestSpec(prompt="x", sampling=dict(POISON)))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from infer.protocol.messages import Dispatch, ProtocolError, Submit, TokenIds, decode, encode
+from infer.protocol.messages import Dispatch, ProtocolError, RequestSpec, Submit, TokenIds, decode, encode
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import MISSING_SDK, HopSpan, SpanSink, check_traceparent, parse_traceparent
 
@@ -75,7 +75,8 @@ def test_the_sink_exports_hops_through_the_sdk_with_their_ids_times_and_events()
 
 @pytest.mark.parametrize("kind", [Submit, Dispatch])
 def test_the_wire_carries_a_valid_traceparent_and_refuses_another(kind):
-    fields = dict(request_id="r1", prompt_token_ids=TokenIds([1, 2]), sampling=SamplingParams(max_tokens=2))
+    spec = RequestSpec(prompt_token_ids=TokenIds([1, 2]), sampling=SamplingParams(max_tokens=2))
+    fields = dict(request_id="r1", spec=spec)
     assert decode(encode(kind(**fields))).traceparent is None
     assert decode(encode(kind(**fields, traceparent=CALLER))).traceparent == CALLER
     with pytest.raises(ProtocolError, match="field 'traceparent' must be a W3C traceparent"):

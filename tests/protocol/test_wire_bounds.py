@@ -11,7 +11,16 @@ import msgspec.inspect as mi
 import pytest
 
 from infer.protocol.bounds import MAX_DEPTH, MAX_ITEMS, ShapeError, check_shape
-from infer.protocol.messages import PROTOCOL_VERSION, REGISTRY, ProtocolError, Submit, TokenIds, decode, encode
+from infer.protocol.messages import (
+    PROTOCOL_VERSION,
+    REGISTRY,
+    ProtocolError,
+    RequestSpec,
+    Submit,
+    TokenIds,
+    decode,
+    encode,
+)
 
 
 def _nested(depth: int, leaf: bytes = b"\x04") -> bytes:
@@ -82,7 +91,7 @@ def test_a_frame_of_8m_token_ids_is_refused_at_once():
 
 
 def test_frames_as_encode_writes_them_and_any_other_key_order_decode_alike():
-    submit = Submit(request_id="r", prompt_token_ids=TokenIds([1, 2, 3]))
+    submit = Submit(request_id="r", spec=RequestSpec(prompt_token_ids=TokenIds([1, 2, 3])))
     frame = encode(submit)
     assert frame.startswith(b"\x83\xa4type\xa6submit\xa1v" + bytes([PROTOCOL_VERSION]) + b"\xa4body")
     reordered = msgpack.packb(

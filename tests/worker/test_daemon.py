@@ -26,6 +26,7 @@ from infer.protocol.messages import (
     Load,
     Message,
     Refused,
+    RequestSpec,
     StepBatch,
     TokenIds,
     Welcome,
@@ -122,9 +123,7 @@ def dispatch(request_id: str, prompt: str | list[int], resumed: list[int] = (), 
     ids = TokenIds(prompt) if not isinstance(prompt, str) else None
     return Dispatch(
         request_id=request_id,
-        sampling=SamplingParams(**sampling),
-        prompt=text,
-        prompt_token_ids=ids,
+        spec=RequestSpec(sampling=SamplingParams(**sampling), prompt=text, prompt_token_ids=ids),
         resumed_token_ids=TokenIds(resumed),
     )
 
@@ -328,7 +327,7 @@ def test_garbage_frames_get_errors_and_serving_goes_on(served):
         {
             "type": "dispatch",
             "v": PROTOCOL_VERSION,
-            "body": {"request_id": "bad-sampling", "sampling": {"temperature": -1}, "prompt": "hi"},
+            "body": {"request_id": "bad-sampling", "spec": {"sampling": {"temperature": -1}, "prompt": "hi"}},
         }
     )
     cases = [

@@ -146,10 +146,12 @@ def test_speculative_config_validation():
 def test_per_request_opt_out_is_validated():
     with pytest.raises(ValueError, match="disable_speculative_decoding must be a bool"):
         SamplingParams(disable_speculative_decoding="yes")
-    from infer.protocol.messages import Dispatch, decode, encode
+    from infer.protocol.messages import Dispatch, RequestSpec, decode, encode
 
-    sent = Dispatch(request_id="a", sampling=SamplingParams(disable_speculative_decoding=True), prompt="x")
-    assert decode(encode(sent)).sampling.disable_speculative_decoding is True  # it travels on the wire
+    sent = Dispatch(
+        request_id="a", spec=RequestSpec(sampling=SamplingParams(disable_speculative_decoding=True), prompt="x")
+    )
+    assert decode(encode(sent)).spec.sampling.disable_speculative_decoding is True  # it travels on the wire
 
 
 # ---- greedy: the same tokens with and without speculation -----------------------------------------

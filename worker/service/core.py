@@ -924,21 +924,15 @@ class WorkerCore:
                 f"{len(self._requests)} requests (max_num_seqs + --max-waiting-requests = {limit})",
                 "overloaded",
             )
-        prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids or ())  # Dispatch holds one
+        spec = msg.spec
         try:
             with self.busy():  # a huge prompt's tokenization: heartbeats go on meanwhile
                 request = self.engine.add_request(
                     msg.request_id,
-                    prompt,
-                    msg.sampling,
-                    msg.resumed_token_ids,
-                    msg.resumed_text_len,
-                    priority=msg.priority,
+                    resumed_token_ids=msg.resumed_token_ids,
+                    resumed_text_len=msg.resumed_text_len,
                     client=msg.client,
-                    images=msg.images,
-                    decoder_prompt=msg.decoder_prompt
-                    if msg.decoder_prompt is not None
-                    else msg.decoder_prompt_token_ids,
+                    **spec.engine_args(),
                 )
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request")
@@ -946,7 +940,7 @@ class WorkerCore:
             TokenIds(request.input_token_ids),  # an encoder-decoder model's: its encoder input, as given
             msg.resumed_token_ids,
             request.params.seed,
-            echo_prompt=msg.prompt is not None or bool(msg.images),  # images: their tokens expanded here
+            echo_prompt=spec.prompt is not None or bool(spec.images),  # images: their tokens expanded here
         )
         if self.options.otlp_traces_endpoint is not None:
             sent.trace = WorkerTrace.start(msg, len(request.prompt_token_ids), now)
@@ -1210,8 +1204,9 @@ class WorkerTrace:
             "infer.resumed_tokens": len(msg.resumed_token_ids),
         }
         span = HopSpan.child_of("worker", msg.traceparent, now, **attributes)
-        if msg.sampling.max_tokens is not None:
-            span.attributes["gen_ai.request.max_tokens"] = msg.sampling.max_tokens
+        max_tokens = msg.spec.sampling.max_tokens
+        if max_tokens is not None:
+            span.attributes["gen_ai.request.max_tokens"] = max_tokens
         return cls(span)
 
     def record(self, out: Delta, now: float) -> None:
