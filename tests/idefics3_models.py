@@ -40,9 +40,12 @@ def idefics3_tokenizer(base_tokenizer: Any) -> Any:
     return tokenizer
 
 
-def idefics3_checkpoint(path: Path, base_tokenizer: Any, family: str = "idefics3", seed: int = 13) -> Path:
+def idefics3_checkpoint(
+    path: Path, base_tokenizer: Any, family: str = "idefics3", seed: int = 13, vocab_multiple: int = 1
+) -> Path:
     """The checkpoint of `family` ("idefics3" or "smolvlm") in `path` (created), with Idefics3Processor's files;
-    returns it."""
+    returns it. `vocab_multiple`: the embedding's rows rounded up to a multiple of it (tensor parallelism splits the
+    vocabulary)."""
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
@@ -57,7 +60,7 @@ def idefics3_checkpoint(path: Path, base_tokenizer: Any, family: str = "idefics3
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = idefics3_tokenizer(base_tokenizer)
     text = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=-(-len(tokenizer) // vocab_multiple) * vocab_multiple,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=0,
