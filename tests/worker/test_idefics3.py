@@ -3,8 +3,10 @@ transformers on tiny random checkpoints (tests/idefics3_models.py): our preproce
 (PIL backend: the Lanczos resizes, the tiles, the global image); prompts expand as Idefics3Processor's do (text, token
 ids with one `<image>` per image, already expanded ids); greedy fp32 tokens equal transformers' `generate` for one
 image (2 tiles and the global one), two images, a large image (4 tiles), a text-only prompt, and a batch of them; a
-second turn encodes no tile again and hits the prefix cache, another image never hits; hostile input is refused by
-name."""
+second turn encodes no tile again and hits the prefix cache, another image never hits; fp32 logits within 1e-4 of
+transformers' and bf16 as close to fp32 as transformers' bf16; hostile input is refused by name. (Tensor parallelism:
+tests/worker/test_images_tensor_parallel.py; speculative decoding: tests/worker/test_images_speculative.py; kill -9:
+tests/cluster/test_images_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -183,3 +185,53 @@ def test_token_ids_that_fit_no_form_are_refused(llm):
     short = [5, 6, image_id, image_id, 7]  # a run of 2 image tokens for an image of 3 tiles of 4
     out = llm.generate({"prompt_token_ids": short, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
     assert out.finish_reason == "error" and "it holds 2 in 1 run(s)" in out.error, out.error
+
+
+def test_logits_equal_transformers_and_bf16_is_as_close_as_its_bf16(checkpoint, processor):
+    """The logits of a two-image prompt and its fp32 greedy continuation, position by position, one paged forward:
+    fp32 within 1e-4 of transformers'; bf16 drifts from transformers' fp32 no more than 1.5x transformers' own bf16
+    does (the largest error per position relative to the largest fp32 logit, the maximum over positions), and picks
+    fp32's next token at 80% of the positions or more."""
+    from transformers import AutoModelForImageTextToText
+
+    ids, pixels, mask = _processed(processor, TWO, png(40, 30, seed=1), png(30, 64, seed=2))
+    ids = ids + transformers_idefics3_greedy(checkpoint, ids, pixels, mask, 12)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        theirs = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            hf = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=dtype).eval()
+            theirs[dtype] = hf(x, pixel_values=pixels.to(dtype), pixel_attention_mask=mask).logits[0].float()
+    reference = theirs[torch.float32]
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    assert (_our_logits(checkpoint, ids, pixels[0], image_id, torch.float32) - reference).abs().max() <= 1e-4
+
+    def drift(values: torch.Tensor) -> float:
+        return ((values - reference).abs().amax(-1) / reference.abs().max()).max().item()
+
+    ours = _our_logits(checkpoint, ids, pixels[0], image_id, torch.bfloat16)
+    same = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    bound = 1.5 * drift(theirs[torch.bfloat16])
+    print(f"idefics3 bf16 (max): ours {drift(ours):.3g}, bound {bound:.3g}; {same:.0%} of fp32's next tokens")
+    assert drift(ours) <= bound
+    assert same >= 0.8
+
+
+def _our_logits(path, ids: list[int], tiles: torch.Tensor, image_id: int, dtype: torch.dtype) -> torch.Tensor:
+    """Our logits [len(ids), vocab] of one prefill of `ids` over a paged pool, each tile's features at its image
+    tokens' rows (the tiles in the prompt's order), as the model runner gives them."""
+    from dataclasses import replace
+
+    from model_batches import Pager, new_cache
+
+    from infer.worker.loading.loader import load_model
+
+    model = load_model(path, dtype, torch.device("cpu"))
+    rows = torch.nonzero(torch.tensor(ids) == image_id).flatten()
+    batch = replace(
+        Pager(num_blocks=64, block_size=4).batch([("s", ids, 0, len(ids))]),
+        image_rows=rows,
+        image_embeds=torch.cat([model.encode_image(tile) for tile in tiles]),
+    )
+    with torch.inference_mode():
+        return model.compute_logits(model(batch, new_cache(model, 64, 4)))
