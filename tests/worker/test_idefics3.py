@@ -2,9 +2,9 @@
 transformers on tiny random checkpoints (tests/idefics3_models.py): our preprocessing equals Idefics3ImageProcessor's
 (PIL backend: the Lanczos resizes, the tiles, the global image); prompts expand as Idefics3Processor's do (text, token
 ids with one `<image>` per image, already expanded ids); greedy fp32 tokens equal transformers' `generate` for one
-image (2 tiles and the global one), two images, a large image (4 tiles), a text-only prompt, and a batch of them; a
-second turn encodes no tile again and hits the prefix cache, another image never hits; fp32 logits within 1e-4 of
-transformers' and bf16 as close to fp32 as transformers' bf16; hostile input is refused by name. (Tensor parallelism:
+image (2x2 tiles and the global one), two images, a wide image (1x2 tiles), a text-only prompt, all in one batch;
+for prefill chunks that end inside a tile; under preemption by recompute; a second turn encodes no tile again and hits
+the prefix cache, another image never hits; fp32 logits within 1e-4 of transformers' and bf16 as close to fp32 as transformers' bf16; hostile input is refused by name. (Tensor parallelism:
 tests/worker/test_images_tensor_parallel.py; speculative decoding: tests/worker/test_images_speculative.py; kill -9:
 tests/cluster/test_images_cluster.py.)"""
 
@@ -160,6 +160,53 @@ def test_second_turn_hits_the_encoder_and_prefix_caches(llm):
     assert alone.error is None and engine.runner.images.encoded == encoded + 5  # 2x2 tiles and the global one
     image_start = turn1.prompt_token_ids.index(llm.get_tokenizer().convert_tokens_to_ids(FAKE))
     assert engine.scheduler.block_manager.num_hit_tokens - cached <= image_start + 2  # another image never hits
+
+
+def test_chunked_prefill_splits_tiles_and_keeps_the_tokens(checkpoint, processor):
+    """A budget of 6 tokens a step: chunks end inside tiles (the text model is causal over images: a chunk takes the
+    part of a tile's features it covers) and the tokens equal transformers'."""
+    red, blue = png(50, 50, seed=3), png(33, 40, seed=4)
+    small = LLM(model=str(checkpoint), **{**OPTIONS, "max_num_batched_tokens": 6, "enable_prefix_caching": False})
+    try:
+        engine = small.engine
+        ids, pixels, mask = _processed(processor, TWO, red, blue)
+        chunks: list[tuple[int, int]] = []
+        schedule = engine.scheduler.schedule
+
+        def recording(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            chunks.extend((c.start, c.end) for c in out.chunks if not c.is_decode)
+            return out
+
+        engine.scheduler.schedule = recording
+        out = small.generate({"prompt": TWO, "multi_modal_data": {"image": [red, blue]}}, GREEDY, use_tqdm=False)[0]
+        assert out.error is None and out.token_ids == transformers_idefics3_greedy(
+            checkpoint, ids, pixels, mask, MAX_NEW
+        )
+        image_id = small.get_tokenizer().convert_tokens_to_ids(IMAGE_TOKEN)
+        image_rows = {k for k, t in enumerate(ids) if t == image_id}
+        assert any(s in image_rows and s - 1 in image_rows for s, _ in chunks)  # a chunk starts inside a tile
+    finally:
+        small.close()
+
+
+def test_preempted_image_requests_recompute_their_tiles(checkpoint, llm):
+    """A pool of 20 blocks of 4 tokens for three image prompts of ~40 tokens and 24 new tokens each: preemption by
+    recompute places their tiles again (from the encoder cache) and the tokens equal the roomy engine's."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [
+        {"prompt": f"q{i}:{IMAGE_TOKEN} describe it", "multi_modal_data": {"image": png(20 + i, 20, seed=30 + i)}}
+        for i in range(3)
+    ]
+    roomy = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    bytes_per_block = 2 * 2 * 4 * 2 * 16 * 4  # K and V, 2 layers, 4 tokens, 2 KV heads, head_dim 16, fp32
+    small = LLM(model=str(checkpoint), **{**OPTIONS, "kv_cache_memory": 20 * bytes_per_block})
+    try:
+        outs = small.generate(prompts, params, use_tqdm=False)
+        assert [o.error for o in outs] == [None] * 3 and [o.token_ids for o in outs] == roomy
+        assert small.engine.scheduler.num_preemptions > 0
+    finally:
+        small.close()
 
 
 @pytest.mark.parametrize(
