@@ -3,9 +3,9 @@ tests/gemma3_vision_models.py's tiny Gemma 3, tests/idefics3_models.py's tiny Id
 an image request ends it exactly as direct mode does, on the other worker, which decodes and encodes the image again
 (Qwen2-VL: and gives the resumed tokens their M-RoPE positions again; Gemma 3: its image's two-way attention again;
 Idefics3: its tiles cut and placed again; LLaVA's fixed-size images take no path of their own there, so it is not run
-again); `infer-serve` with 2 workers (LLaVA, Gemma 3) answers the official `openai` client's chat with a base64 data: URL image with direct mode's greedy text (Gemma 3: for the chat prompt as its
-processor renders and expands it), and answers hostile images with a 400 naming what is wrong while it keeps
-serving."""
+again); `infer-serve` with 2 workers (LLaVA, Gemma 3) answers the official `openai` client's chat with a base64 data:
+URL image with direct mode's greedy text (Gemma 3: for the chat prompt as its processor renders and expands it), and
+answers hostile images with a 400 naming what is wrong while it keeps serving."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ transformers on tiny random checkpoints (tests/idefics3_models.py): our preproce
 ids with one `<image>` per image, already expanded ids); greedy fp32 tokens equal transformers' `generate` for one
 image (2x2 tiles and the global one), two images, a wide image (1x2 tiles), a text-only prompt, all in one batch;
 for prefill chunks that end inside a tile; under preemption by recompute; a second turn encodes no tile again and hits
-the prefix cache, another image never hits; fp32 logits within 1e-4 of transformers' and bf16 as close to fp32 as transformers' bf16; hostile input is refused by name. (Tensor parallelism:
-tests/worker/test_images_tensor_parallel.py; speculative decoding: tests/worker/test_images_speculative.py; kill -9:
-tests/cluster/test_images_cluster.py.)"""
+the prefix cache, another image never hits; fp32 logits within 1e-4 of transformers' and bf16 as close to fp32 as
+transformers' bf16; hostile input is refused by name. (Tensor parallelism: tests/worker/test_images_tensor_parallel.py;
+speculative decoding: tests/worker/test_images_speculative.py; kill -9: tests/cluster/test_images_cluster.py.)"""
 
 from __future__ import annotations
 
