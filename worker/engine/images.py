@@ -15,7 +15,8 @@ size and pixels. The encoder cache and the prefix cache name an image by it (wor
 `place_images` finds where each image's tokens are in a prompt: one run of the image's tokens per image (a fixed count
 for LLaVA, one that follows from the image's size for Qwen2-VL), as transformers' processors expand them, or one image
 token per image, which it expands (vLLM's prompt form "...<image>...", Qwen2-VL's "<|vision_start|><|image_pad|>
-<|vision_end|>").
+<|vision_end|>"). `Gemma3ImagePrompt` and `Idefics3ImagePrompt` are the two families' own prompt forms (Idefics3's:
+each image's tiles, a run of image tokens each between the processor's tokens, placed one by one under `tile_key`).
 """
 
 from __future__ import annotations

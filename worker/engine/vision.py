@@ -10,9 +10,14 @@ image rows.
   arithmetic is worker/engine/anyres.py): the image resized into its best grid resolution and padded, cut into tiles,
   after the whole image resized to one tile; each tile rescaled and normalized as CLIP's. Its output, `AnyresPixels`,
   keeps the image's size, which the token count and the unpadding of the features read.
+- `Idefics3Preprocessor`: transformers' Idefics3ImageProcessor (Idefics3, SmolVLM): the longest edge resized, the image
+  cut into tiles of the tower's size (Lanczos, in Pillow) and resized whole to one more; its output, `TiledPixels`,
+  keeps the grid (rows x columns), from which the prompt's layout follows (worker/engine/images.py
+  `Idefics3ImagePrompt`; each tile is placed and encoded as an image of its own).
 - `VisionModel`: what a model that takes images offers (models/llava.py, models/llava_next.py, models/qwen2_vl.py,
-  models/gemma3_vision.py): its image token, its preprocessing, each preprocessed image's token count and M-RoPE grid,
-  and `encode_image` (vision tower + projector: one image, the encoder cache's unit) -> [tokens, hidden].
+  models/gemma3_vision.py, models/idefics3.py): its image token, its preprocessing, each preprocessed image's token
+  count and M-RoPE grid, and `encode_image` (vision tower + projector: one image, the encoder cache's unit) ->
+  [tokens, hidden].
 - `ImageEncoder`: runs the tower once per image, at the first prefill chunk that needs any of its tokens, and keeps
   its features in a bounded LRU by the image's content key (worker/engine/images.py), so a later request (a second turn
   with the same image, a preemption's recompute, a failover's resume) takes them from there.
