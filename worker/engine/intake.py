@@ -149,7 +149,7 @@ class Intake:
             )
         else:
             if isinstance(self.image_prompt, Idefics3ImagePrompt) and _some_images(images):
-                prompt_ids, placed = self._place_tiles(prompt, images)
+                prompt_ids, placed = self._place_tiles(self.image_prompt, prompt, images)
             else:
                 if self.image_prompt is not None and isinstance(prompt, str) and _some_images(images):
                     self._check_image_count(len(images))  # before the text grows by each image's tokens
@@ -245,17 +245,15 @@ class Intake:
         return prepared
 
     def _place_tiles(
-        self, prompt: str | Sequence[int], images: Sequence[object]
+        self, form: Idefics3ImagePrompt, prompt: str | Sequence[int], images: Sequence[object]
     ) -> tuple[list[int], tuple[PlacedImage, ...]]:
-        """Idefics3's form (worker/engine/images.py `Idefics3ImagePrompt`): the images preprocessed first (an image's
+        """Idefics3's `form` (worker/engine/images.py `Idefics3ImagePrompt`): the images preprocessed first (an image's
         tiles make its prompt text), the prompt expanded and tokenized, each tile placed as an image of its own."""
-        if not isinstance(self.image_prompt, Idefics3ImagePrompt):
-            raise ValueError(f"model {self.model_id!r} does not cut images into tiles")
         prepared = self._preprocessed(images)
         grids = [(pixels.rows, pixels.cols) for _, pixels in prepared]
         if isinstance(prompt, str):
-            prompt = self.image_prompt.expand_text(prompt, grids)
-        ids, places = self.image_prompt.place(self._prompt_token_ids(prompt), grids)
+            prompt = form.expand_text(prompt, grids)
+        ids, places = form.place(self._prompt_token_ids(prompt), grids)
         placed = [
             PlacedImage(offset, length, tile_key(key, index), pixels.tiles[index])
             for (key, pixels), tiles in zip(prepared, places, strict=True)
