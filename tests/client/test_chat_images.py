@@ -111,6 +111,8 @@ FAMILIES = {
     "llava": (LLAVA_TEMPLATE, "USER: <image>\nWhat is this? ASSISTANT:", "<image>"),
     # llava-hf's LLaVA-NeXT checkpoints ship the same form of template; the image's token count follows its size
     "llava_next": (LLAVA_TEMPLATE, "USER: <image>\nWhat is this? ASSISTANT:", "<image>"),
+    # Idefics3's and SmolVLM's templates write `<image>` for an image part too; the worker expands it into the tiles'
+    "idefics3": (LLAVA_TEMPLATE, "USER: <image>\nWhat is this? ASSISTANT:", "<image>"),
     "qwen2_vl": (
         QWEN2_VL_TEMPLATE,
         "<|im_start|>user\nWhat is this?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n",
@@ -135,6 +137,10 @@ def vision_family(request, tmp_path_factory, smollm2_tokenizer):
         from llava_next_models import llava_next_checkpoint
 
         return request.param, llava_next_checkpoint(tmp_path_factory.mktemp(request.param), smollm2_tokenizer)
+    if request.param == "idefics3":
+        from idefics3_models import idefics3_checkpoint
+
+        return request.param, idefics3_checkpoint(tmp_path_factory.mktemp(request.param), smollm2_tokenizer)
     from qwen2_vl_models import qwen2_vl_checkpoint
 
     return request.param, qwen2_vl_checkpoint(tmp_path_factory.mktemp(request.param), smollm2_tokenizer)

@@ -1,11 +1,11 @@
 """Images through real clusters (tests/llava_models.py's tiny LLaVA, tests/qwen2_vl_models.py's tiny Qwen2-VL,
-tests/gemma3_vision_models.py's tiny Gemma 3): kill -9 of the worker streaming an image request ends it exactly as
-direct mode does, on the other worker, which decodes and encodes the image again (Qwen2-VL: and gives the resumed
-tokens their M-RoPE positions again; Gemma 3: its image's two-way attention again; LLaVA's fixed-size images take no
-path of their own there, so it is not run again); `infer-serve` with 2 workers (LLaVA, Gemma 3) answers the official `openai`
-client's chat with a base64 data: URL image with direct mode's greedy text (Gemma 3: for the chat prompt as its
-processor renders and expands it), and answers hostile images with a 400 naming what is wrong while it keeps
-serving."""
+tests/gemma3_vision_models.py's tiny Gemma 3, tests/idefics3_models.py's tiny Idefics3): kill -9 of the worker streaming
+an image request ends it exactly as direct mode does, on the other worker, which decodes and encodes the image again
+(Qwen2-VL: and gives the resumed tokens their M-RoPE positions again; Gemma 3: its image's two-way attention again;
+Idefics3: its tiles cut and placed again; LLaVA's fixed-size images take no path of their own there, so it is not run
+again); `infer-serve` with 2 workers (LLaVA, Gemma 3) answers the official `openai` client's chat with a base64 data:
+URL image with direct mode's greedy text (Gemma 3: for the chat prompt as its processor renders and expands it), and
+answers hostile images with a 400 naming what is wrong while it keeps serving."""
 
 from __future__ import annotations
 
@@ -40,11 +40,16 @@ def gemma3(tmp_path_factory, smollm2_tokenizer):
     return gemma3_vision_checkpoint(tmp_path_factory.mktemp("gemma3"), smollm2_tokenizer)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3", "idefics3"])
 def family(request, tmp_path_factory, smollm2_tokenizer):
     """(checkpoint, a long-story prompt with one image) of the vision families whose resumed request differs."""
     if request.param == "gemma3":
         return request.getfixturevalue("gemma3"), f"Tell me a long story about it:{BOI}"
+    if request.param == "idefics3":
+        from idefics3_models import idefics3_checkpoint
+
+        path = idefics3_checkpoint(tmp_path_factory.mktemp("idefics3"), smollm2_tokenizer)
+        return path, f"Tell me a long story about it:{IMAGE_TOKEN}"
     from qwen2_vl_models import IMAGE as QWEN_IMAGE
     from qwen2_vl_models import qwen2_vl_checkpoint
 

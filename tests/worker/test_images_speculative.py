@@ -1,13 +1,14 @@
 """Vision models with speculative decoding (n-gram drafts): the image's prefill runs as without speculation, the
 decode steps after it verify drafts (of these requests only: the drafts counted are theirs), and the greedy tokens
 (with their logprobs) of prompts with images equal decoding without speculation, for LLaVA, LLaVA-NeXT, Qwen2-VL
-(M-RoPE: a verification's rows take the request's position delta) and Gemma 3 (each family's own tests hold those
-tokens to transformers'). A draft model, which reads text only, refuses images by name."""
+(M-RoPE: a verification's rows take the request's position delta), Gemma 3 and Idefics3 (each family's own tests hold
+those tokens to transformers'). A draft model, which reads text only, refuses images by name."""
 
 from __future__ import annotations
 
 import pytest
 from gemma3_vision_models import BOI, gemma3_vision_checkpoint
+from idefics3_models import idefics3_checkpoint
 from llava_models import IMAGE_TOKEN, llava_checkpoint, png
 from llava_next_models import llava_next_checkpoint
 from qwen2_vl_models import IMAGE as QWEN_IMAGE
@@ -25,6 +26,7 @@ FAMILIES = {
     "llava_next": (llava_next_checkpoint, f"USER: {IMAGE_TOKEN}\n{REPEATS} ASSISTANT:"),
     "qwen2_vl": (qwen2_vl_checkpoint, f"User: {QWEN_IMAGE}\n{REPEATS} Assistant:"),
     "gemma3": (gemma3_vision_checkpoint, f"{REPEATS}{BOI}{REPEATS}"),
+    "idefics3": (idefics3_checkpoint, f"User:{IMAGE_TOKEN}\n{REPEATS} Assistant:"),
 }
 
 

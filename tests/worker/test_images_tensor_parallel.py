@@ -2,13 +2,14 @@
 of its own): the language model sharded over the two ranks, the vision tower whole on each and run on rank 0 only,
 whose features (and Qwen2-VL's M-RoPE positions, Gemma 3's image spans) rank 1 takes with each step
 (worker/parallel/tp_commands.py). The greedy tokens of a prompt with an image, and of one with two, equal one process's, for
-LLaVA, LLaVA-NeXT (each image's token count from its size), Qwen2-VL and Gemma 3 (each family's own tests hold one
-process's tokens to transformers')."""
+LLaVA, LLaVA-NeXT (each image's token count from its size), Qwen2-VL, Gemma 3 and Idefics3 (each image's tiles placed
+as images of their own; each family's own tests hold one process's tokens to transformers')."""
 
 from __future__ import annotations
 
 import pytest
 from gemma3_vision_models import BOI, gemma3_vision_checkpoint
+from idefics3_models import idefics3_checkpoint
 from llava_models import IMAGE_TOKEN, llava_checkpoint, png
 from llava_next_models import llava_next_checkpoint
 from qwen2_vl_models import IMAGE as QWEN_IMAGE
@@ -36,6 +37,7 @@ FAMILIES = {
         f"User: {QWEN_IMAGE} and {QWEN_IMAGE}\nCompare. Assistant:",
     ),
     "gemma3": (gemma3_vision_checkpoint, f"What is it?{BOI}", f"Compare{BOI} and{BOI} now."),
+    "idefics3": (idefics3_checkpoint, f"What is it?{IMAGE_TOKEN}", f"Compare{IMAGE_TOKEN} and{IMAGE_TOKEN} now."),
 }
 
 

@@ -211,3 +211,30 @@ def test_image_requests_decode_in_the_graphs(tmp_path, smollm2_tokenizer):
     while engine.has_unfinished():
         out += [t for delta in engine.step() for t in delta.token_ids]
     assert out == want and graphs.replays[1] == 7
+
+
+def test_idefics3_image_requests_decode_in_the_graphs(tmp_path, smollm2_tokenizer):
+    """Idefics3 with images (tests/idefics3_models.py): the tiles' prefill runs eagerly (their features), every decode
+    step after it replays the graph, and the tokens are transformers'."""
+    import io
+
+    from idefics3_models import IMAGE_TOKEN, idefics3_checkpoint, transformers_idefics3_greedy
+    from llava_models import png
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    path = idefics3_checkpoint(tmp_path / "idefics3", smollm2_tokenizer)
+    image, text = png(40, 30, seed=1), f"Describe {IMAGE_TOKEN} now."
+    processed = AutoProcessor.from_pretrained(str(path))(
+        text=text, images=[Image.open(io.BytesIO(image))], return_tensors="pt"
+    )
+    ids, pixels, mask = processed["input_ids"][0].tolist(), processed["pixel_values"], processed["pixel_attention_mask"]
+    want = transformers_idefics3_greedy(path, ids, pixels, mask, 8)
+    engine = Engine(EngineConfig(model=str(path), **ONE_BUCKET_OPTIONS))
+    graphs = engine.runner.step_graphs
+    assert graphs is not None
+    engine.add_request("a", text, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), images=[image])
+    out: list[int] = []
+    while engine.has_unfinished():
+        out += [t for delta in engine.step() for t in delta.token_ids]
+    assert out == want and graphs.replays[1] == 7

@@ -15,7 +15,8 @@ size and pixels. The encoder cache and the prefix cache name an image by it (wor
 `place_images` finds where each image's tokens are in a prompt: one run of the image's tokens per image (a fixed count
 for LLaVA, one that follows from the image's size for Qwen2-VL), as transformers' processors expand them, or one image
 token per image, which it expands (vLLM's prompt form "...<image>...", Qwen2-VL's "<|vision_start|><|image_pad|>
-<|vision_end|>").
+<|vision_end|>"). `Gemma3ImagePrompt` and `Idefics3ImagePrompt` are the two families' own prompt forms (Idefics3's:
+each image's tiles, a run of image tokens each between the processor's tokens, placed one by one under `tile_key`).
 """
 
 from __future__ import annotations
@@ -268,3 +269,119 @@ class Gemma3ImagePrompt:
     def _newline_count(self, token_id: int) -> int:
         """k when `token_id` is the token of k newlines, else 0."""
         return self.newline_ids.index(token_id) + 1 if token_id >= 0 and token_id in self.newline_ids else 0
+
+
+def tile_key(image_key: int, tile: int) -> int:
+    """The content key of tile `tile` of the image `image_key` (Idefics3's tiles are placed, encoded and cached one by
+    one: each is a PlacedImage of its own)."""
+    return _key(image_key.to_bytes(8, "little"), tile.to_bytes(4, "little"))
+
+
+@dataclass(frozen=True)
+class Idefics3ImagePrompt:
+    """Idefics3's and SmolVLM's image prompt form, as transformers' Idefics3Processor / SmolVLMProcessor write it: each
+    `<image>` becomes, for an image cut into rows x columns tiles, per tile `<fake_token_around_image><row_r_col_c>` and
+    `image_seq_len` image tokens, "\\n" after each row of tiles, then "\\n<fake_token_around_image><global-img>", the
+    global image's tokens and `<fake_token_around_image>`; an image not cut (0 x 0) is the global part alone, without
+    the leading "\\n". Each tile's run of image tokens is one PlacedImage (`place`).
+
+    - A text prompt is expanded as text before it is tokenized (`expand_text`): the processor's way, so its ids.
+    - Token ids (`place`) holding one image token per image are expanded in ids (`encode` of each expansion: its
+      tokens are special, so it tokenizes alike alone and in context); ids already expanded (the processor's output, a
+      failover's resumed prompt) are taken as they are when their runs are the tiles'."""
+
+    image_token: str
+    image_token_id: int
+    image_seq_len: int
+    encode: Any  # text -> token ids, no special tokens added
+
+    @classmethod
+    def of(cls, tokenizer: Any, image_token_id: int, image_seq_len: int) -> Idefics3ImagePrompt:
+        """From the model's image token id and its tokenizer; ValueError naming a prompt token the vocabulary lacks."""
+        image = tokenizer.convert_ids_to_tokens(image_token_id)
+        for token in (FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN, "<row_1_col_1>"):
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if token_id is None or token_id == getattr(tokenizer, "unk_token_id", None):
+                raise ValueError(f"the tokenizer has no {token} token, which Idefics3's image prompt form needs")
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        return cls(image, image_token_id, image_seq_len, encode)
+
+    def expansion(self, rows: int, cols: int) -> str:
+        """The text an image of rows x cols tiles (0 x 0: not cut) stands for."""
+        tokens = self.image_token * self.image_seq_len
+        whole = f"{FAKE_IMAGE_TOKEN}{GLOBAL_IMAGE_TOKEN}{tokens}{FAKE_IMAGE_TOKEN}"
+        if rows == 0 and cols == 0:
+            return whole
+        grid = "".join(
+            "".join(f"{FAKE_IMAGE_TOKEN}<row_{r + 1}_col_{c + 1}>{tokens}" for c in range(cols)) + "\n"
+            for r in range(rows)
+        )
+        return f"{grid}\n{whole}"
+
+    def expand_text(self, text: str, grids: Sequence[tuple[int, int]]) -> str:
+        """`text` with image i's `<image>` replaced by its expansion (grids[i]: its rows x columns of tiles);
+        ValueError unless it holds one per image."""
+        count = text.count(self.image_token)
+        if count != len(grids):
+            raise ValueError(
+                f"the prompt holds {count} {self.image_token} token(s) for its {len(grids)} image(s): give one per "
+                "image"
+            )
+        parts = text.split(self.image_token)
+        out = [parts[0]]
+        for (rows, cols), part in zip(grids, parts[1:], strict=True):
+            out += [self.expansion(rows, cols), part]
+        return "".join(out)
+
+    def place(
+        self, prompt_ids: Sequence[int], grids: Sequence[tuple[int, int]]
+    ) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """(the ids with every image's tokens in place, each image's tiles' (offset, length) in the processor's order:
+        the grid's row by row, then the global image); ValueError saying what the prompt holds when it fits neither
+        form."""
+        tiles = [rows * cols + 1 for rows, cols in grids]
+        runs = [(start, length) for start, length in _runs(prompt_ids, self.image_token_id)]
+        if len(runs) == len(grids) and all(length == 1 for _, length in runs) and self.image_seq_len != 1:
+            ids: list[int] = []
+            last = 0
+            for (start, _), (rows, cols) in zip(runs, grids, strict=True):
+                ids.extend(prompt_ids[last:start])
+                ids.extend(self.encode(self.expansion(rows, cols)))
+                last = start + 1
+            ids.extend(prompt_ids[last:])
+            runs = list(_runs(ids, self.image_token_id))
+        else:
+            ids = list(prompt_ids)
+        if [length for _, length in runs] != [self.image_seq_len] * sum(tiles):
+            raise ValueError(
+                f"the prompt's image tokens (id {self.image_token_id}) do not match its {len(grids)} image(s): it "
+                f"holds {sum(length for _, length in runs)} in {len(runs)} run(s); give one {self.image_token} per "
+                f"image, or each image's {sum(tiles)} tile(s) of {self.image_seq_len} tokens expanded"
+            )
+        places, at = [], 0
+        for count in tiles:
+            places.append(runs[at : at + count])
+            at += count
+        return ids, places
+
+
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
+GLOBAL_IMAGE_TOKEN = "<global-img>"
+
+
+def _runs(ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of every run of `token_id` in `ids`."""
+    runs = []
+    i = 0
+    while i < len(ids):
+        if ids[i] == token_id:
+            start = i
+            while i < len(ids) and ids[i] == token_id:
+                i += 1
+            runs.append((start, i - start))
+        else:
+            i += 1
+    return runs

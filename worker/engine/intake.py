@@ -22,7 +22,15 @@ from infer.protocol.sampling import SamplingParams
 from infer.worker.engine.beam_groups import BeamGroups
 from infer.worker.engine.config import EngineConfig
 from infer.worker.engine.encoder_decoder import EncoderDecoderModel
-from infer.worker.engine.images import Gemma3ImagePrompt, ImageLimits, PlacedImage, load_image, place_images
+from infer.worker.engine.images import (
+    Gemma3ImagePrompt,
+    Idefics3ImagePrompt,
+    ImageLimits,
+    PlacedImage,
+    load_image,
+    place_images,
+    tile_key,
+)
 from infer.worker.engine.pooling import PoolingState
 from infer.worker.engine.request import Request
 from infer.worker.engine.scheduler import Scheduler
@@ -94,7 +102,9 @@ class Intake:
         self.encoder_decoder = encoder_decoder
         self.forced_bos, self.forced_eos = forced_tokens
         make_prompt = getattr(vision, "image_prompt", None)  # a prompt form of its own (Gemma 3's boi / eoi)
-        self.image_prompt: Gemma3ImagePrompt | None = None if make_prompt is None else make_prompt(tokenizer)
+        self.image_prompt: Gemma3ImagePrompt | Idefics3ImagePrompt | None = (
+            None if make_prompt is None else make_prompt(tokenizer)
+        )
 
     def request(
         self,
@@ -138,11 +148,14 @@ class Intake:
                 "whole prompt as 'prompt'"
             )
         else:
-            if self.image_prompt is not None and isinstance(prompt, str) and isinstance(images, Sequence) and images:
-                self._check_image_count(len(images))  # before the text grows by each image's tokens
-                prompt = self.image_prompt.expand_text(prompt, len(images))
-            prompt_ids = self._prompt_token_ids(prompt)
-            prompt_ids, placed = self._place_images(prompt_ids, images)
+            if isinstance(self.image_prompt, Idefics3ImagePrompt) and _some_images(images):
+                prompt_ids, placed = self._place_tiles(self.image_prompt, prompt, images)
+            else:
+                if self.image_prompt is not None and isinstance(prompt, str) and _some_images(images):
+                    self._check_image_count(len(images))  # before the text grows by each image's tokens
+                    prompt = self.image_prompt.expand_text(prompt, len(images))
+                prompt_ids = self._prompt_token_ids(prompt)
+                prompt_ids, placed = self._place_images(prompt_ids, images)
         self._check_token_lists(params)
         resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids, params.max_tokens)
         if params.beam_search:
@@ -194,22 +207,7 @@ class Intake:
                     f"the prompt holds image tokens (id {model.image_token_id}) but no image was given with it"
                 )
             return prompt_ids, ()
-        if model is None or self.preprocess is None:
-            raise ValueError(f"model {self.model_id!r} takes no images: it is a text-only model")
-        if self.speculative == "draft_model":
-            raise ValueError(
-                "images with a draft model are not supported: the draft model reads text only (speculative_config "
-                "method 'ngram' takes images)"
-            )
-        self._check_image_count(len(images))
-        prepared = []
-        for index, item in enumerate(images):
-            image, key = load_image(item, self.image_limits, index)
-            try:
-                pixels = self.preprocess(image)
-            except ValueError as error:
-                raise ValueError(f"image {index}: {error}") from None
-            prepared.append((key, pixels, *model.image_placement(pixels)))
+        prepared = [(key, pixels, *model.image_placement(pixels)) for key, pixels in self._preprocessed(images)]
         counts = [tokens for _, _, tokens, _ in prepared]
         budget = self.scheduler.config.max_num_batched_tokens
         if self.scheduler.config.whole_images and max(counts) > budget:
@@ -224,6 +222,42 @@ class Intake:
         placed = [
             PlacedImage(offset, length, key, pixels, grid)
             for (offset, length), (key, pixels, _, grid) in zip(places, prepared, strict=True)
+        ]
+        return ids, tuple(placed)
+
+    def _preprocessed(self, images: Sequence[object]) -> list[tuple[int, Any]]:
+        """(key, preprocessed pixels) of each image, decoded and checked; ValueError naming what is wrong."""
+        if self.vision is None or self.preprocess is None:
+            raise ValueError(f"model {self.model_id!r} takes no images: it is a text-only model")
+        if self.speculative == "draft_model":
+            raise ValueError(
+                "images with a draft model are not supported: the draft model reads text only (speculative_config "
+                "method 'ngram' takes images)"
+            )
+        self._check_image_count(len(images))
+        prepared = []
+        for index, item in enumerate(images):
+            image, key = load_image(item, self.image_limits, index)
+            try:
+                prepared.append((key, self.preprocess(image)))
+            except ValueError as error:
+                raise ValueError(f"image {index}: {error}") from None
+        return prepared
+
+    def _place_tiles(
+        self, form: Idefics3ImagePrompt, prompt: str | Sequence[int], images: Sequence[object]
+    ) -> tuple[list[int], tuple[PlacedImage, ...]]:
+        """Idefics3's `form` (worker/engine/images.py `Idefics3ImagePrompt`): the images preprocessed first (an image's
+        tiles make its prompt text), the prompt expanded and tokenized, each tile placed as an image of its own."""
+        prepared = self._preprocessed(images)
+        grids = [(pixels.rows, pixels.cols) for _, pixels in prepared]
+        if isinstance(prompt, str):
+            prompt = form.expand_text(prompt, grids)
+        ids, places = form.place(self._prompt_token_ids(prompt), grids)
+        placed = [
+            PlacedImage(offset, length, tile_key(key, index), pixels.tiles[index])
+            for (key, pixels), tiles in zip(prepared, places, strict=True)
+            for index, (offset, length) in enumerate(tiles)
         ]
         return ids, tuple(placed)
 
@@ -412,3 +446,8 @@ def _pooling_params(params: SamplingParams) -> SamplingParams:
     if given:
         raise ValueError(f"pooling (an embedding) takes no generation options; got {', '.join(given)}")
     return msgspec.structs.replace(params, temperature=0.0, max_tokens=1, min_tokens=0, seed=None)
+
+
+def _some_images(images: object) -> bool:
+    """Whether `images` is a non-empty list of images (not bytes or a str: those are checked by _place_images)."""
+    return isinstance(images, Sequence) and not isinstance(images, (bytes, str)) and len(images) > 0

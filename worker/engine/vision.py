@@ -10,9 +10,14 @@ image rows.
   arithmetic is worker/engine/anyres.py): the image resized into its best grid resolution and padded, cut into tiles,
   after the whole image resized to one tile; each tile rescaled and normalized as CLIP's. Its output, `AnyresPixels`,
   keeps the image's size, which the token count and the unpadding of the features read.
+- `Idefics3Preprocessor`: transformers' Idefics3ImageProcessor (Idefics3, SmolVLM): the longest edge resized, the image
+  cut into tiles of the tower's size (Lanczos, in Pillow) and resized whole to one more; its output, `TiledPixels`,
+  keeps the grid (rows x columns), from which the prompt's layout follows (worker/engine/images.py
+  `Idefics3ImagePrompt`; each tile is placed and encoded as an image of its own).
 - `VisionModel`: what a model that takes images offers (models/llava.py, models/llava_next.py, models/qwen2_vl.py,
-  models/gemma3_vision.py): its image token, its preprocessing, each preprocessed image's token count and M-RoPE grid,
-  and `encode_image` (vision tower + projector: one image, the encoder cache's unit) -> [tokens, hidden].
+  models/gemma3_vision.py, models/idefics3.py): its image token, its preprocessing, each preprocessed image's token
+  count and M-RoPE grid, and `encode_image` (vision tower + projector: one image, the encoder cache's unit) ->
+  [tokens, hidden].
 - `ImageEncoder`: runs the tower once per image, at the first prefill chunk that needs any of its tokens, and keeps
   its features in a bounded LRU by the image's content key (worker/engine/images.py), so a later request (a second turn
   with the same image, a preemption's recompute, a failover's resume) takes them from there.
@@ -491,3 +496,140 @@ def mrope_positions(request: Request, start: int, n: int) -> torch.Tensor:
             positions[2, lo - start : hi - start] = first + index % cols
         passed += image.rope_shift
     return positions
+
+
+@dataclass(frozen=True)
+class TiledPixels:
+    """One image preprocessed for Idefics3 / SmolVLM: `tiles` [rows * cols + 1, 3, tile, tile] float32 (the grid's
+    tiles row by row, then the whole image resized to one tile; an image not cut is that one tile alone, rows = cols =
+    0). Each tile is placed, encoded and cached as an image of its own (worker/engine/images.py
+    `Idefics3ImagePrompt`)."""
+
+    tiles: torch.Tensor
+    rows: int
+    cols: int
+
+    def to(self, device: torch.device | str) -> TiledPixels:
+        return replace(self, tiles=self.tiles.to(device))
+
+
+IDEFICS3_MAX_SIDE = 4096  # Idefics3ImageProcessor's MAX_IMAGE_SIZE: no side is resized past it
+
+
+@dataclass(frozen=True)
+class Idefics3Preprocessor:
+    """Idefics3ImageProcessor's steps (SmolVLMImageProcessor's are the same), equal to transformers' PIL backend: RGB;
+    the longest edge resized to `longest_edge` (Lanczos, aspect kept, the other side rounded up to even); with
+    `do_image_splitting`, both sides resized up to multiples of `tile` and cut into tiles, then the whole image resized
+    to one tile; without, the image resized to one tile; every tile rescaled and normalized."""
+
+    tile: int
+    longest_edge: int
+    do_image_splitting: bool = True
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+
+    @classmethod
+    def for_model(cls, model_dir: Path | None, tile: int) -> Idefics3Preprocessor:
+        """From the model's preprocessor_config.json (or what transformers 5 saves: processor_config.json's
+        image_processor) when it has one, else Idefics3's defaults (the longest edge 4 tiles) at the tower's size.
+        ValueError where its max_image_size is not the tower's image_size (tiles of another size take interpolated
+        position embeddings, not computed here); NotImplementedError naming a step turned off or another resample."""
+        path, raw = _image_processor_config(model_dir)
+        if path is None:
+            return cls(tile, 4 * tile)
+        max_size = raw.get("max_image_size", {}).get("longest_edge", tile)
+        if max_size != tile:
+            raise ValueError(f"{path}: max_image_size {max_size} differs from the vision tower's image_size {tile}")
+        off = [name for name in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb") if raw.get(name) is False]
+        if off or raw.get("resample", 1) != 1:
+            what = ", ".join(f"{name}=false" for name in off) or f"resample={raw.get('resample')!r}"
+            raise NotImplementedError(f"{path}: {what} is not supported (only Idefics3ImageProcessor's Lanczos resize)")
+        size = raw.get("size", {})
+        longest = size.get("longest_edge") if isinstance(size, dict) else None
+        if longest is None:
+            raise NotImplementedError(f"{path}: size {size!r} is not supported (only a longest_edge)")
+        return cls(
+            tile,
+            int(longest),
+            bool(raw.get("do_image_splitting", True)),
+            tuple(raw.get("image_mean", (0.5, 0.5, 0.5))),
+            tuple(raw.get("image_std", (0.5, 0.5, 0.5))),
+            float(raw.get("rescale_factor", 1 / 255)),
+        )
+
+    def __call__(self, image: Any) -> TiledPixels:
+        """An RGB PIL image (worker/engine/images.py to_rgb) -> its TiledPixels."""
+        from PIL import Image
+
+        lanczos = Image.Resampling.LANCZOS
+        width, height = image.size
+        height, width = _longest_edge_size(height, width, self.longest_edge)
+        image = image.resize((width, height), resample=lanczos)
+        tile = self.tile
+        if not self.do_image_splitting:
+            whole = _uint8_pixels(image.resize((tile, tile), resample=lanczos))
+            return TiledPixels(_normalized(whole.unsqueeze(0), self.rescale_factor, self.mean, self.std), 0, 0)
+        height, width = _tile_multiple_size(height, width, tile)
+        image = image.resize((width, height), resample=lanczos)
+        if height <= tile and width <= tile:
+            whole = _uint8_pixels(image)
+            return TiledPixels(_normalized(whole.unsqueeze(0), self.rescale_factor, self.mean, self.std), 0, 0)
+        rows, cols = height // tile, width // tile
+        pixels = _uint8_pixels(image)
+        grid = pixels.view(3, rows, tile, cols, tile).permute(1, 3, 0, 2, 4).reshape(rows * cols, 3, tile, tile)
+        whole = _uint8_pixels(image.resize((tile, tile), resample=lanczos))
+        tiles = torch.cat([grid, whole.unsqueeze(0)])
+        return TiledPixels(_normalized(tiles, self.rescale_factor, self.mean, self.std), rows, cols)
+
+
+def _longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
+    """Idefics3ImageProcessor's resize of the longest edge to `longest` (the other side int(), then rounded up to
+    even, at least 1), then down below IDEFICS3_MAX_SIDE."""
+    aspect = width / height
+    if width >= height:
+        width = longest
+        height = int(width / aspect)
+        height += height % 2
+    else:
+        height = longest
+        width = int(height * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > IDEFICS3_MAX_SIDE:
+        width, height = IDEFICS3_MAX_SIDE, int(IDEFICS3_MAX_SIDE / aspect)
+    elif height > width and height > IDEFICS3_MAX_SIDE:
+        height, width = IDEFICS3_MAX_SIDE, int(IDEFICS3_MAX_SIDE * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def _tile_multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
+    """Idefics3ImageProcessor's resize_for_vision_encoder: the longer side rounded up to a multiple of `tile`, the
+    other scaled with it (int()), then rounded up to a multiple of `tile`."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    return height, width
+
+
+def _image_processor_config(model_dir: Path | None) -> tuple[Path | None, dict[str, Any]]:
+    """(its path, the image processor's settings) from the model's preprocessor_config.json, else from
+    processor_config.json's "image_processor" (transformers 5 saves a processor's settings there); (None, {}) when
+    neither is there."""
+    if model_dir is None:
+        return None, {}
+    path = Path(model_dir) / "preprocessor_config.json"
+    if path.is_file():
+        return path, json.loads(path.read_text())
+    path = Path(model_dir) / "processor_config.json"
+    if path.is_file():
+        raw = json.loads(path.read_text()).get("image_processor")
+        if isinstance(raw, dict):
+            return path, raw
+    return None, {}

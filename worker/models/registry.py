@@ -12,6 +12,7 @@ from infer.worker.models.deepseek import DeepseekV2ForCausalLM
 from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from infer.worker.models.gemma3_vision import Gemma3ForConditionalGeneration
 from infer.worker.models.gpt_oss import GptOssForCausalLM
+from infer.worker.models.idefics3 import Idefics3ForConditionalGeneration
 from infer.worker.models.llama import LlamaForCausalLM
 from infer.worker.models.llava import LlavaForConditionalGeneration
 from infer.worker.models.llava_next import LlavaNextForConditionalGeneration
@@ -71,6 +72,8 @@ MODEL_TYPES: dict[str, type] = {
     "gemma3_text": Gemma3ForCausalLM,
     "gemma3": Gemma3ForConditionalGeneration,
     "gpt_oss": GptOssForCausalLM,
+    "idefics3": Idefics3ForConditionalGeneration,
+    "smolvlm": Idefics3ForConditionalGeneration,
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
@@ -93,6 +96,8 @@ ARCHITECTURES: dict[str, type] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "SmolVLMForConditionalGeneration": Idefics3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
