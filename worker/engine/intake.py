@@ -151,7 +151,11 @@ class Intake:
             if isinstance(self.image_prompt, Idefics3ImagePrompt) and _some_images(images):
                 prompt_ids, placed = self._place_tiles(self.image_prompt, prompt, images)
             else:
-                if self.image_prompt is not None and isinstance(prompt, str) and _some_images(images):
+                if (
+                    isinstance(self.image_prompt, Gemma3ImagePrompt)
+                    and isinstance(prompt, str)
+                    and _some_images(images)
+                ):
                     self._check_image_count(len(images))  # before the text grows by each image's tokens
                     prompt = self.image_prompt.expand_text(prompt, len(images))
                 prompt_ids = self._prompt_token_ids(prompt)
@@ -207,26 +211,28 @@ class Intake:
                     f"the prompt holds image tokens (id {model.image_token_id}) but no image was given with it"
                 )
             return prompt_ids, ()
-        prepared = [(key, pixels, *model.image_placement(pixels)) for key, pixels in self._preprocessed(images)]
-        counts = [tokens for _, _, tokens, _ in prepared]
+        model, preprocessed = self._preprocessed(images)
+        prepared = [(key, pixels, model.image_placement(pixels)) for key, pixels in preprocessed]
+        counts = [tokens for _, _, (tokens, _) in prepared]
         budget = self.scheduler.config.max_num_batched_tokens
         if self.scheduler.config.whole_images and max(counts) > budget:
             raise ValueError(
                 f"an image takes {max(counts)} tokens, more than max_num_batched_tokens ({budget}): "
                 f"model {self.model_id!r} computes an image's tokens in one step (they attend to each other both ways)"
             )
-        if self.image_prompt is not None:
+        if isinstance(self.image_prompt, Gemma3ImagePrompt):
             ids, places = self.image_prompt.place(prompt_ids, len(images))
         else:
             ids, places = place_images(prompt_ids, model.image_token_id, counts)
         placed = [
             PlacedImage(offset, length, key, pixels, grid)
-            for (offset, length), (key, pixels, _, grid) in zip(places, prepared, strict=True)
+            for (offset, length), (key, pixels, (_, grid)) in zip(places, prepared, strict=True)
         ]
         return ids, tuple(placed)
 
-    def _preprocessed(self, images: Sequence[object]) -> list[tuple[int, Any]]:
-        """(key, preprocessed pixels) of each image, decoded and checked; ValueError naming what is wrong."""
+    def _preprocessed(self, images: Sequence[object]) -> tuple[VisionModel, list[tuple[int, Any]]]:
+        """The model's vision side and (key, preprocessed pixels) of each image, decoded and checked; ValueError naming
+        what is wrong (a model that takes no images among it)."""
         if self.vision is None or self.preprocess is None:
             raise ValueError(f"model {self.model_id!r} takes no images: it is a text-only model")
         if self.speculative == "draft_model":
@@ -242,14 +248,14 @@ class Intake:
                 prepared.append((key, self.preprocess(image)))
             except ValueError as error:
                 raise ValueError(f"image {index}: {error}") from None
-        return prepared
+        return self.vision, prepared
 
     def _place_tiles(
         self, form: Idefics3ImagePrompt, prompt: str | Sequence[int], images: Sequence[object]
     ) -> tuple[list[int], tuple[PlacedImage, ...]]:
         """Idefics3's `form` (worker/engine/images.py `Idefics3ImagePrompt`): the images preprocessed first (an image's
         tiles make its prompt text), the prompt expanded and tokenized, each tile placed as an image of its own."""
-        prepared = self._preprocessed(images)
+        _, prepared = self._preprocessed(images)
         grids = [(pixels.rows, pixels.cols) for _, pixels in prepared]
         if isinstance(prompt, str):
             prompt = form.expand_text(prompt, grids)
