@@ -15,8 +15,7 @@ PARTS=${*:-tests bench spec kernels quant}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/infer   # the repository root is the `infer` package
-export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 INFER_TEST_TOKENIZER_DIR=$PWD/.gpu/tokenizer
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 INFER_TEST_TOKENIZER_DIR=$PWD/.gpu/tokenizer
 export INFER_GIT_REVISION=${INFER_GIT_REVISION:-unknown} INFER_COMPILE_CACHE=/tmp/infer-compile
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv

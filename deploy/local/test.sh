@@ -14,20 +14,17 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmd >/
         || { apt-get update -qq && apt-get install -y -qq $SLURM_PACKAGES >/dev/null; } \
         || echo "test.sh: could not install $SLURM_PACKAGES; the Slurm test will say why" >&2
 fi
-# The style the code follows (pyproject's [tool.ruff]; the C kernels' kernels/cpu/.clang-format) and types (every
-# package), then the tests.
+# The style the code follows (pyproject's [tool.ruff]; the C kernels' src/infer/kernels/cpu/.clang-format) and types
+# (the whole package), then the tests.
 "$BIN"/python -m ruff check --quiet .
 "$BIN"/python -m ruff format --check --quiet .
-"$BIN"/clang-format --dry-run --Werror kernels/cpu/*.c kernels/cpu/*.h
-# mypy reads the checkout as the package `infer` (through a link of that name in a scratch folder), so that every
-# `infer.*` import is followed and checked; through the editable install's import hook it would read them as Any.
-# It runs niced beside the tests (on a fresh clone it takes ~90 s of one core; the tests wait on daemons
+"$BIN"/clang-format --dry-run --Werror src/infer/kernels/cpu/*.c src/infer/kernels/cpu/*.h
+# mypy reads src/infer as the package `infer` (pyproject's mypy_path), so that every `infer.*` import is followed and
+# checked. It runs niced beside the tests (on a fresh clone it takes ~90 s of one core; the tests wait on daemons
 # and timeouts often enough to leave some free), and its verdict is the run's with theirs.
-ROOT=$PWD MYPY_ROOT=$(mktemp -d) MYPY_LOG=$(mktemp) STATUS=0
-ln -s "$ROOT" "$MYPY_ROOT/infer"
-(cd "$MYPY_ROOT" && nice -n 10 "$BIN/python" -m mypy --no-error-summary --config-file "$ROOT/pyproject.toml" \
-    --cache-dir "$ROOT/.mypy_cache" -p infer.protocol -p infer.coordinator -p infer.kernels -p infer.client \
-    -p infer.worker) > "$MYPY_LOG" 2>&1 &
+MYPY_LOG=$(mktemp) STATUS=0
+nice -n 10 "$BIN/python" -m mypy --no-error-summary --config-file pyproject.toml --cache-dir .mypy_cache -p infer \
+    > "$MYPY_LOG" 2>&1 &
 MYPY_PID=$!
 # Python may write its bytecode caches (some environments set PYTHONDONTWRITEBYTECODE): each of the many daemons
 # the tests start would otherwise compile the package's modules again (~0.5 s of CPU a process).
@@ -49,5 +46,5 @@ if ! wait "$MYPY_PID"; then
     echo "test.sh: mypy found the errors above" >&2
     STATUS=1
 fi
-rm -rf "$MYPY_ROOT" "$MYPY_LOG"
+rm -f "$MYPY_LOG"
 exit "$STATUS"

@@ -140,8 +140,8 @@ def test_unsupported_model_type_lists_supported(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError,
         match=r"unsupported model: model_type 'gpt2', architectures None; "
-        r"supported model types: bart, deepseek_v2, deepseek_v3, gemma2, gemma3, gemma3_text, gpt_oss, llama, llava, "
-        r"llava_next, mistral, mixtral, phi3, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_moe, t5",
+        r"supported model types: bart, deepseek_v2, deepseek_v3, gemma2, gemma3, gemma3_text, gpt_oss, idefics3, "
+        r"llama, llava, llava_next, mistral, mixtral, phi3, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_moe, smolvlm, t5",
     ):
         load_model(tmp_path, torch.float32, CPU)
 
