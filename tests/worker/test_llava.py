@@ -61,6 +61,24 @@ def test_preprocessing_equals_clip_image_processor():
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
+def test_the_settings_a_saved_processor_holds_are_read(llava, tmp_path):
+    """transformers 5 saves a processor's image settings in processor_config.json (no preprocessor_config.json):
+    they are read, not replaced by the defaults; a preprocessor_config.json, where there is one, is read first."""
+    import json
+
+    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
+
+    images = CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 56, "width": 48}, image_mean=[0.5] * 3)
+    tokenizer = AutoTokenizer.from_pretrained(str(llava))
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14).save_pretrained(str(tmp_path))
+    assert not (tmp_path / "preprocessor_config.json").exists()
+    got = ClipPreprocessor.for_model(tmp_path, IMAGE_SIZE)
+    assert (got.shortest_edge, got.crop_height, got.crop_width, got.mean) == (64, 56, 48, (0.5, 0.5, 0.5))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 80}, "crop_size": 72}))
+    got = ClipPreprocessor.for_model(tmp_path, IMAGE_SIZE)
+    assert (got.shortest_edge, got.crop_height, got.crop_width) == (80, 72, 72)
+
+
 def test_greedy_equals_transformers(llava, llm):
     tokenizer = llm.get_tokenizer()
     red, blue = png(40, 30, seed=1), png(30, 64, seed=2)

@@ -118,11 +118,11 @@ class ClipPreprocessor:
 
     @classmethod
     def for_model(cls, model_dir: Path | None, image_size: int) -> ClipPreprocessor:
-        """From the model's preprocessor_config.json when it has one, else CLIP's defaults at the tower's size."""
-        path = None if model_dir is None else Path(model_dir) / "preprocessor_config.json"
-        if path is None or not path.is_file():
+        """From the model's image processor settings (`_image_processor_config`) when it has them, else CLIP's defaults
+        at the tower's size."""
+        path, raw = _image_processor_config(model_dir)
+        if path is None:
             return cls(image_size, image_size, image_size)
-        raw = json.loads(path.read_text())
         size, crop = raw.get("size", {}), raw.get("crop_size", {})
         edge = size.get("shortest_edge", image_size) if isinstance(size, dict) else int(size)
         if isinstance(crop, dict):
@@ -175,14 +175,14 @@ class LlavaNextPreprocessor:
 
     @classmethod
     def for_model(cls, model_dir: Path | None, layout: AnyresLayout) -> LlavaNextPreprocessor:
-        """From the model's preprocessor_config.json when it has one, else CLIP's defaults at the model's layout.
+        """From the model's image processor settings (`_image_processor_config`) when it has them, else CLIP's defaults
+        at the model's layout.
         ValueError where its pinpoints differ from the model's (the model cuts the features by its own);
         NotImplementedError naming a setting whose tiles would not be the tower's (a resize or crop to another size,
         another resample, a step turned off)."""
-        path = None if model_dir is None else Path(model_dir) / "preprocessor_config.json"
-        if path is None or not path.is_file():
+        path, raw = _image_processor_config(model_dir)
+        if path is None:
             return cls(layout)
-        raw = json.loads(path.read_text())
         pinpoints = AnyresLayout.of(layout.tile, layout.side, raw.get("image_grid_pinpoints", layout.pinpoints))
         if pinpoints != layout:
             raise ValueError(
@@ -282,10 +282,10 @@ class Qwen2VLPreprocessor:
 
     @classmethod
     def for_model(cls, model_dir: Path | None, vision: Any) -> Qwen2VLPreprocessor:
-        """From the model's preprocessor_config.json (min_pixels / max_pixels, or size's shortest_edge /
-        longest_edge, as transformers reads them) where it has one; the patch sizes default to the vision config's."""
-        path = None if model_dir is None else Path(model_dir) / "preprocessor_config.json"
-        raw = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+        """From the model's image processor settings (`_image_processor_config`: min_pixels / max_pixels, or size's
+        shortest_edge / longest_edge, as transformers reads them) where it has them; the patch sizes default to the
+        vision config's."""
+        path, raw = _image_processor_config(model_dir)
         if raw.get("do_resize") is False or raw.get("resample", 3) != 3:
             raise NotImplementedError(f"{path}: only Qwen2VLImageProcessor's bicubic smart_resize is supported")
         size: dict[str, Any] = raw["size"] if isinstance(raw.get("size"), dict) else {}
@@ -403,12 +403,12 @@ class Gemma3Preprocessor:
 
     @classmethod
     def for_model(cls, model_dir: Path | None, image_size: int) -> Gemma3Preprocessor:
-        """From the model's preprocessor_config.json when it has one, else the defaults at the tower's size;
-        NotImplementedError naming a setting it does not compute (pan-and-scan, another resample, a step off)."""
-        path = None if model_dir is None else Path(model_dir) / "preprocessor_config.json"
-        if path is None or not path.is_file():
+        """From the model's image processor settings (`_image_processor_config`) when it has them, else the defaults at
+        the tower's size; NotImplementedError naming a setting it does not compute (pan-and-scan, another resample, a
+        step off)."""
+        path, raw = _image_processor_config(model_dir)
+        if path is None:
             return cls(image_size, image_size)
-        raw = json.loads(path.read_text())
         if raw.get("do_pan_and_scan"):
             raise NotImplementedError(f"{path}: do_pan_and_scan (Gemma 3's pan-and-scan crops) is not supported")
         off = [name for name in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb") if raw.get(name) is False]
@@ -532,8 +532,8 @@ class Idefics3Preprocessor:
 
     @classmethod
     def for_model(cls, model_dir: Path | None, tile: int) -> Idefics3Preprocessor:
-        """From the model's preprocessor_config.json (or what transformers 5 saves: processor_config.json's
-        image_processor) when it has one, else Idefics3's defaults (the longest edge 4 tiles) at the tower's size.
+        """From the model's image processor settings (`_image_processor_config`) when it has them, else Idefics3's
+        defaults (the longest edge 4 tiles) at the tower's size.
         ValueError where its max_image_size is not the tower's image_size (tiles of another size take interpolated
         position embeddings, not computed here); NotImplementedError naming a step turned off or another resample."""
         path, raw = _image_processor_config(model_dir)
