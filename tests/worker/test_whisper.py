@@ -143,3 +143,19 @@ def test_features_of_the_checkpoint_equal_transformers(whisper):
     features = LogMel.from_dir(path)
     for clip in CLIPS:
         torch.testing.assert_close(features(torch.from_numpy(clip)), hf_features(path, clip)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_audio_on_the_wire_is_bounded():
+    """RequestSpec.audio: carried as bytes through a Submit's encoding; past MAX_AUDIO_BYTES a frame is refused by
+    name when decoded, and the client refuses to build one."""
+    from infer.client.audio import wire_audio
+    from infer.protocol.messages import MAX_AUDIO_BYTES, ProtocolError, RequestSpec, Submit, decode, encode
+
+    data = wire_audio(CLIPS[0])
+    submit = Submit(request_id="r", spec=RequestSpec(prompt_token_ids=[1, 2], audio=data))
+    assert decode(encode(submit)).spec.audio == data
+    too_big = Submit(request_id="r", spec=RequestSpec(prompt_token_ids=[1], audio=b"\0" * (MAX_AUDIO_BYTES + 4)))
+    with pytest.raises(ProtocolError, match="audio"):
+        decode(encode(too_big))
+    with pytest.raises(ValueError, match="more than the wire carries"):
+        wire_audio(np.zeros(MAX_AUDIO_BYTES // 4 + 1, dtype=np.float32))
