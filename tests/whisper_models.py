@@ -43,8 +43,8 @@ WHISPER: dict[str, Any] = dict(
 )
 
 
-def whisper_checkpoint(path: Path, tokenizer: Any, seed: int = 5, num_mel_bins: int = 80) -> Path:
-    """The tiny checkpoint in `path` (created); returns the path."""
+def whisper_checkpoint(path: Path, tokenizer: Any, seed: int = 5, num_mel_bins: int = 80, **overrides: Any) -> Path:
+    """The tiny checkpoint in `path` (created), with `overrides` of its config; returns the path."""
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
     tokenizer = _whisper_tokenizer(tokenizer)
@@ -59,7 +59,7 @@ def whisper_checkpoint(path: Path, tokenizer: Any, seed: int = 5, num_mel_bins: 
         bos_token_id=eot,
         suppress_tokens=None,
         begin_suppress_tokens=None,
-        **WHISPER,
+        **{**WHISPER, **overrides},
     )
     torch.manual_seed(seed)
     model = WhisperForConditionalGeneration(config).to(torch.float32)
