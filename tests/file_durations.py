@@ -29,6 +29,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/worker/test_native_decode.py": 60,
     "tests/client/test_family_entry_points.py": 59,
     "tests/cluster/test_images_cluster.py": 56,
+    "tests/cluster/test_whisper_cluster.py": 55,  # added with Whisper (its own run, not a whole one)
     "tests/worker/test_speculative.py": 54,
     "tests/worker/test_engine.py": 46,
     "tests/worker/test_encoder_decoder.py": 45,
@@ -56,6 +57,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/cluster/test_several_coordinators.py": 27,
     "tests/client/test_api_params.py": 27,
     "tests/client/test_http_front.py": 26,
+    "tests/worker/test_whisper.py": 20,  # added with Whisper (its own run, not a whole one)
     "tests/cluster/test_chaos.py": 26,
     "tests/worker/test_engine_kernels.py": 25,
     "tests/cluster/test_deepseek_moe_cluster.py": 25,

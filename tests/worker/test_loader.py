@@ -141,7 +141,7 @@ def test_unsupported_model_type_lists_supported(tmp_path: Path) -> None:
         ValueError,
         match=r"unsupported model: model_type 'gpt2', architectures None; "
         r"supported model types: bart, deepseek_v2, deepseek_v3, gemma2, gemma3, gemma3_text, gpt_oss, idefics3, "
-        r"llama, llava, llava_next, mistral, mixtral, phi3, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_moe, smolvlm, t5",
+        r"llama, llava, llava_next, mistral, mixtral, phi3, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_moe, smolvlm, t5, whisper",
     ):
         load_model(tmp_path, torch.float32, CPU)
 

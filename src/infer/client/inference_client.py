@@ -68,6 +68,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from infer.client.audio import split_audio, wire_audio
 from infer.client.engine_client import ClusterError
 from infer.client.multimodal import split_prompt, wire_images
 from infer.client.prompt_forms import split_encoder_decoder
@@ -481,6 +482,7 @@ class InferenceClient:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in flight")
         prompt, decoder = split_encoder_decoder(prompt)  # vLLM's {"encoder_prompt": ..., "decoder_prompt": ...}
+        prompt, audio = split_audio(prompt)  # {"prompt": ..., "multi_modal_data": {"audio": ...}} (Whisper)
         prompt, images = split_prompt(prompt)
         encoded = wire_images(images)
         spec = RequestSpec(
@@ -493,6 +495,7 @@ class InferenceClient:
             decoder_prompt_token_ids=None
             if decoder is None or isinstance(decoder, str)
             else TokenIds.checked(decoder, "decoder_prompt"),
+            audio=b"" if audio is None else wire_audio(audio),
         )
         submit = Submit(
             request_id=rid,
@@ -507,8 +510,9 @@ class InferenceClient:
             rid,
             submit,
             None if timeout is None else time.monotonic() + timeout,
-            # with images the worker echoes the ids with each image's tokens expanded
-            prompt_token_ids=None if isinstance(prompt, (str, dict)) or encoded else list(prompt),
+            # with images the worker echoes the ids with each image's tokens expanded (with audio: the decoder's, its
+            # start token in front)
+            prompt_token_ids=None if isinstance(prompt, (str, dict)) or encoded or audio is not None else list(prompt),
         )
         if len(self._requests) == 1 and self._call is None:
             self._last_heard = time.monotonic()  # the silence clock starts when there is something to wait for

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from infer.client.audio import split_audio, wire_audio
 from infer.client.engine_client import ClusterError
 from infer.client.multimodal import split_prompt
 from infer.client.prompt_forms import split_encoder_decoder
@@ -507,6 +508,7 @@ class LocalEngine:
             return self._reject(stream, f"request id {stream.request_id!r} is already in flight", "invalid_request")
         try:
             prompt, decoder = split_encoder_decoder(command.prompt)  # {"encoder_prompt": ..., "decoder_prompt": ...}
+            prompt, audio = split_audio(prompt)  # {"prompt": ..., "multi_modal_data": {"audio": ...}} (Whisper)
             prompt, images = split_prompt(prompt)  # vLLM's {"prompt": ..., "multi_modal_data": ...}
             request = self.engine.add_request(
                 stream.request_id,
@@ -515,6 +517,7 @@ class LocalEngine:
                 priority=command.priority,
                 images=images,
                 decoder_prompt=decoder,
+                audio=None if audio is None else wire_audio(audio),
             )
         except ValueError as e:
             return self._reject(stream, str(e), "invalid_request")

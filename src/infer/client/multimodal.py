@@ -10,7 +10,7 @@ from typing import Any
 
 from infer.protocol.messages import MAX_IMAGE_BYTES, MAX_IMAGES, MAX_REQUEST_IMAGE_BYTES
 
-MODALITIES = ("image",)
+MODALITIES = ("image", "audio")  # audio: client/audio.py split_audio takes it out first
 
 
 def split_prompt(prompt: Any) -> tuple[Any, list[Any]]:
@@ -29,7 +29,7 @@ def split_prompt(prompt: Any) -> tuple[Any, list[Any]]:
         raise ValueError(f"multi_modal_data must be a dict, got {type(data).__name__}")
     others = sorted(set(data) - set(MODALITIES))
     if others:
-        raise ValueError(f"multi_modal_data: modality {others[0]!r} is not supported; supported: image")
+        raise ValueError(f"multi_modal_data: modality {others[0]!r} is not supported; supported: image, audio")
     images = data.get("image", [])
     return text, list(images) if isinstance(images, (list, tuple)) else [images]
 

@@ -35,7 +35,8 @@ from infer.protocol.tracing import parse_traceparent
 # 4: msgspec Structs; token ids travel as msgpack arrays of ints (checked in C), SamplingParams with only the fields
 #    that differ from the defaults; Submit and Dispatch carry `traceparent`
 # 5: what a request asks for (prompt or ids, images, decoder prompt, SamplingParams, priority) is one nested
-#    RequestSpec, carried unchanged by Submit, the coordinator's record and every Dispatch
+#    RequestSpec, carried unchanged by Submit, the coordinator's record and every Dispatch; RequestSpec.audio (an
+#    optional field a v5 peer without it refuses as unknown only when a request carries audio)
 PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 64 << 20  # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
@@ -54,6 +55,9 @@ MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the engine
 MAX_IMAGE_BYTES = 20 << 20  # one encoded image of a prompt (RequestSpec.images)
 MAX_IMAGES = 16  # images one RequestSpec may carry (a worker's --limit-mm-per-prompt may allow fewer)
 MAX_REQUEST_IMAGE_BYTES = MAX_FRAME_BYTES // 2  # all images of one request: its frame keeps room for the rest
+AUDIO_SAMPLE_RATE = 16000  # RequestSpec.audio's samples per second (Whisper's rate; client/audio.py resamples to it)
+# RequestSpec.audio: float32 samples of one request (a window of the model's: Whisper's 30 s are 1.9 MB), with room
+MAX_AUDIO_BYTES = 16 << 20
 
 
 class ProtocolError(ValueError):
@@ -102,6 +106,8 @@ SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_ID_
 Images = Annotated[
     list[Annotated[bytes, msgspec.Meta(max_length=MAX_IMAGE_BYTES)]], msgspec.Meta(max_length=MAX_IMAGES)
 ]
+# a request's audio: float32 little-endian PCM, mono, at AUDIO_SAMPLE_RATE (checked by worker/engine/audio.py)
+AudioSamples = Annotated[bytes, msgspec.Meta(max_length=MAX_AUDIO_BYTES)]
 # a block hash: an unsigned 64-bit int (msgpack holds no larger integer, so `ge=0` is the whole bound)
 BlockHashes = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_KV_EVENTS)]
 
@@ -446,6 +452,8 @@ class RequestSpec(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     `decoder_prompt` / `decoder_prompt_token_ids` (at most one): for an encoder-decoder model (T5, BART), whose
     `prompt` is its encoder's input, the decoder's prefix after its start token; a decoder-only worker refuses it by
     name.
+    `audio`: an audio model's input (Whisper's; its `prompt` is then the decoder's), float32 little-endian PCM, mono,
+    at AUDIO_SAMPLE_RATE; empty (off the wire) for any other request. A model that takes no audio refuses it.
     """
 
     prompt: str | None = None
@@ -455,6 +463,7 @@ class RequestSpec(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     images: Images = msgspec.field(default_factory=list)
     decoder_prompt: str | None = None
     decoder_prompt_token_ids: TokenIdList | None = None
+    audio: AudioSamples = b""
 
     def __post_init__(self) -> None:
         # (`if ...: raise`, not _require: the messages are formatted only for a bad request, once per request)
@@ -486,6 +495,7 @@ class RequestSpec(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
             "priority": self.priority,
             "images": self.images,
             "decoder_prompt": decoder,
+            "audio": self.audio or None,
         }
 
 

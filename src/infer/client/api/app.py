@@ -66,6 +66,7 @@ from infer.client.api.routes.admin import Admin
 from infer.client.api.routes.embeddings import Embeddings
 from infer.client.api.routes.generation import Generation
 from infer.client.api.routes.tokens import Tokens
+from infer.client.api.routes.transcriptions import Transcriptions
 from infer.client.api.schemas import ApiError
 from infer.client.engine_client import EngineClient
 
@@ -109,6 +110,9 @@ def build_app(
     app.add_api_route("/v1/completions", route(generation.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", route(generation.chat_completions), methods=["POST"])
     app.add_api_route("/v1/embeddings", route(embeddings.embeddings), methods=["POST"])
+    transcriptions = Transcriptions(front)
+    app.add_api_route("/v1/audio/transcriptions", route(transcriptions.transcriptions), methods=["POST"])
+    app.add_api_route("/v1/audio/translations", route(transcriptions.translations), methods=["POST"])
     app.add_api_route("/v1/models", route(admin.models), methods=["GET"])
     app.add_api_route("/health", route(admin.health), methods=["GET"])
     app.add_api_route("/metrics", route(admin.metrics_text), methods=["GET"])

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from infer.client.api.metrics import RequestTracker
+from infer.client.transcription import audio_prompt
 from infer.protocol.messages import BeamOutput
 from infer.protocol.outputs import Completion, RequestOutput, TokenLogprobs
 from infer.protocol.sampling import SamplingParams
@@ -32,6 +33,7 @@ class Job:
     model: str | None = None  # the cluster's model it runs on, when it serves several (Front.model_of)
     session_id: str | None = None  # the caller's X-Session-ID: the cluster pins the conversation to its worker
     images: list[bytes] = field(default_factory=list)  # a chat's images, in the order of its image tokens
+    audio: Any = None  # a transcription's window: samples at AUDIO_SAMPLE_RATE (client/transcription.py)
     completion: Completion = field(init=False)
 
     def __post_init__(self) -> None:
@@ -39,7 +41,9 @@ class Job:
 
     @property
     def prompt(self) -> list[int] | dict[str, Any]:
-        """What the engine client is given: the prompt's ids, with its images in vLLM's multimodal form."""
+        """What the engine client is given: the prompt's ids, with its images or audio in vLLM's multimodal form."""
+        if self.audio is not None:
+            return audio_prompt(self.prompt_token_ids, self.audio)
         if not self.images:
             return self.prompt_token_ids
         return {"prompt_token_ids": self.prompt_token_ids, "multi_modal_data": {"image": self.images}}

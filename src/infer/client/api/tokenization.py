@@ -47,6 +47,7 @@ from typing import Any
 from infer.client.api.schemas import ApiError
 from infer.client.api.tools import default_parser
 from infer.client.chat_encoding import ChatEncoder
+from infer.client.transcription import WhisperPrompts
 from infer.protocol.logsafe import safe
 from infer.protocol.prompt_limits import max_token_bytes
 
@@ -135,6 +136,12 @@ class Tokenization:
             return bool(json.loads(config.read_text()).get("is_encoder_decoder", False))
         except (OSError, ValueError, AttributeError):
             return False
+
+    @functools.cached_property
+    def whisper(self) -> WhisperPrompts | None:
+        """The prompt tokens and window of a Whisper model beside the tokenizer (its directory's config.json,
+        generation_config.json, preprocessor_config.json); None for any other model."""
+        return WhisperPrompts.from_dir(Path(str(getattr(self.tokenizer, "name_or_path", "") or "")))
 
     @property
     def chat_template(self) -> str | None:

@@ -1,4 +1,4 @@
-"""Encoder-decoder models (T5, BART) in the engine: the pieces every such family shares.
+"""Encoder-decoder models (T5, BART, Whisper) in the engine: the pieces every such family shares.
 
 A request of an encoder-decoder model carries its encoder's input (`Request.encoder_token_ids`: the caller's prompt)
 and, as its `prompt_token_ids`, the decoder's prompt: the model's decoder start token, then the optional decoder
@@ -10,7 +10,8 @@ tensors.
 
 - `run_encoders`: at the first step of a request that holds cross blocks not written yet (new, or readmitted after
   preemption, which freed them), the model's `encode` runs its encoder once over the encoder tokens (bidirectional,
-  dense: one request at a time) and writes the cross K/V of every decoder layer at the cross blocks' slots.
+  dense: one request at a time) and writes the cross K/V of every decoder layer at the cross blocks' slots; an
+  audio model's (`AudioEncoderDecoderModel`, Whisper) `encode_audio` runs over the requests' log-mel features.
 - `cross_attention`: the decoder's queries over their request's cross blocks. Cross-attention is non-causal over a
   context of fixed length, so every query row, a prefill row or a decode, is one "sequence" of the paged decode
   kernel with the request's cross table and the encoder length as its context (ForwardBatch.cross_block_tables /
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -57,6 +58,24 @@ class EncoderDecoderModel(Protocol):
     def encode(
         self, input_ids: torch.Tensor, lengths: Sequence[int], slots: torch.Tensor, kv_cache: KVCache
     ) -> None: ...
+
+
+@runtime_checkable
+class AudioEncoderDecoderModel(EncoderDecoderModel, Protocol):
+    """An encoder-decoder model whose encoder takes audio (Whisper, models/whisper.py): `encode_audio(features [B,
+    num_mel_bins, num_frames], slots [B x max_encoder_len], kv_cache)` runs it over B clips' log-mel features
+    (worker/engine/audio.py) and writes each decoder layer's cross K/V at `slots`; its output always has
+    `max_encoder_len` positions, which a request's `encoder_token_ids` hold as placeholders."""
+
+    takes_audio: bool
+    num_mel_bins: int
+    num_frames: int
+
+    def encode_audio(self, features: torch.Tensor, slots: torch.Tensor, kv_cache: KVCache) -> None: ...
+
+
+def takes_audio(model: object) -> bool:
+    return bool(getattr(model, "takes_audio", False))
 
 
 def is_encoder_decoder(model: object) -> bool:
@@ -99,9 +118,13 @@ def run_encoders(requests: Sequence[Request], model: EncoderDecoderModel, kv_cac
     if not todo:
         return
     device = kv_cache.k[0].device
-    ids = torch.tensor([t for r in todo for t in r.encoder_token_ids or ()], dtype=torch.int64, device=device)
     slots = torch.cat([cross_slots(r, block_size, device) for r in todo])
-    model.encode(ids, [r.num_encoder_tokens for r in todo], slots, kv_cache)
+    if isinstance(model, AudioEncoderDecoderModel) and model.takes_audio:
+        features = torch.stack([cast(torch.Tensor, r.encoder_features) for r in todo]).to(device)
+        model.encode_audio(features, slots, kv_cache)
+    else:
+        ids = torch.tensor([t for r in todo for t in r.encoder_token_ids or ()], dtype=torch.int64, device=device)
+        model.encode(ids, [r.num_encoder_tokens for r in todo], slots, kv_cache)
     for request in todo:
         request.encoder_computed = True
 

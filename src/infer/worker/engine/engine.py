@@ -34,6 +34,7 @@ from infer.protocol.prompt_limits import max_token_bytes
 from infer.protocol.sampling import SamplingParams
 from infer.worker.distributed.expert_parallel import ExpertParallel
 from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.audio import audio_features
 from infer.worker.engine.beam_groups import BeamGroups
 from infer.worker.engine.config import EngineConfig
 from infer.worker.engine.encoder_decoder import check_engine as check_encoder_decoder
@@ -67,7 +68,7 @@ from infer.worker.kv.offload_store import check_offload_dir
 from infer.worker.kv.port import KvPort
 from infer.worker.loading.in_memory import in_memory_model
 from infer.worker.loading.loader import load_model, set_weight_prepack, weight_files
-from infer.worker.loading.model_files import eos_token_ids, forced_token_ids, resolve_model
+from infer.worker.loading.model_files import eos_token_ids, forced_token_ids, resolve_model, suppressed_token_ids
 from infer.worker.loading.tokenizer import engine_tokenizer
 from infer.worker.loading.weights import WeightUpdate
 from infer.worker.speculative.proposers import Proposer, make_proposer
@@ -297,6 +298,10 @@ class Engine:
             model_parallel=self.tp.size > 1 or stage is not None,
             encoder_decoder=encdec,
             forced_tokens=forced,
+            audio_features=audio_features(self.model, self.model_path),
+            suppressed_tokens=((), ())
+            if encdec is None or self.model_path is None
+            else suppressed_token_ids(self.model_path),
         )
         # a pipeline's stage 0: a micro-batch per stage in flight (worker/engine/micro_batches.py) unless told
         # otherwise; speculative decoding steps one batch at a time (its proposals read the tokens of the step before)
@@ -326,6 +331,7 @@ class Engine:
         client: str | None = None,
         images: Sequence[object] = (),
         decoder_prompt: str | Sequence[int] | None = None,
+        audio: bytes | None = None,
     ) -> Request:
         """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged.
 
@@ -349,6 +355,9 @@ class Engine:
         `min_tokens` here (the one place that counts them). With the same seed, the output continues exactly
         where the first engine stopped, tokens and text.
 
+        `audio`: an audio model's (Whisper's) input, float32 little-endian PCM at its sampling rate, one window at
+        most (worker/engine/audio.py); its `prompt` is then the decoder's. A model that takes no audio refuses it.
+
         `priority` (a 64-bit integer, lower first) matters under `scheduling_policy="priority"`. `client` tags
         the client it came from (Dispatch.client): a structured-output request's compile counts against it.
         """
@@ -356,7 +365,7 @@ class Engine:
         if self.scheduler.get(request_id) is not None or request_id in self.grammars:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request, resumed = self.intake.request(
-            request_id, prompt, params, resumed_token_ids, priority, images, self._arrivals, decoder_prompt
+            request_id, prompt, params, resumed_token_ids, priority, images, self._arrivals, decoder_prompt, audio
         )
         prompt_ids, params = request.prompt_token_ids, request.params
         if params.beam_search:

@@ -85,7 +85,9 @@ def _memory_bytes(device: torch.device) -> int:
 
 
 def context_length(config: EngineConfig, hf_config) -> int:
-    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
+    # Whisper's decoder names its learned positions max_target_positions
+    named = getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "max_target_positions", 0)
+    model_max = int(named or 0) or 4096
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:

@@ -19,9 +19,10 @@ from infer.protocol.messages import MAX_ID_LEN
 from infer.protocol.prefix_hash import adapter_salt
 from infer.protocol.prompt_limits import prompt_size_error
 from infer.protocol.sampling import SamplingParams
+from infer.worker.engine.audio import LogMel, load_audio
 from infer.worker.engine.beam_groups import BeamGroups
 from infer.worker.engine.config import EngineConfig
-from infer.worker.engine.encoder_decoder import EncoderDecoderModel
+from infer.worker.engine.encoder_decoder import EncoderDecoderModel, takes_audio
 from infer.worker.engine.images import (
     Gemma3ImagePrompt,
     Idefics3ImagePrompt,
@@ -73,6 +74,8 @@ class Intake:
         model_parallel: bool,
         encoder_decoder: EncoderDecoderModel | None = None,
         forced_tokens: tuple[int | None, int | None] = (None, None),
+        audio_features: LogMel | None = None,
+        suppressed_tokens: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
     ) -> None:
         """`draw_seed`: a seed for a sampled request without one; `lora_id`: an adapter name's id (0: none;
         ValueError for an unknown one); `vision` / `preprocess`: a model that takes images and its preprocessing;
@@ -80,7 +83,9 @@ class Intake:
         images); `pipeline`: this is a pipeline's stage 0 (no
         pooling); `model_parallel`: tensor or pipeline parallel (no beam search); `encoder_decoder`: the model when it
         is one (worker/engine/encoder_decoder.py): the prompt is then its encoder's input; `forced_tokens`: its
-        generation config's (forced BOS, forced EOS), worker/engine/request.py's forced_token."""
+        generation config's (forced BOS, forced EOS), worker/engine/request.py's forced_token; `audio_features`: an
+        audio model's feature extractor (worker/engine/audio.py); `suppressed_tokens`: its generation config's
+        (suppress_tokens, begin_suppress_tokens)."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -101,6 +106,8 @@ class Intake:
         self.model_parallel = model_parallel
         self.encoder_decoder = encoder_decoder
         self.forced_bos, self.forced_eos = forced_tokens
+        self.audio_features = audio_features
+        self.suppress, self.begin_suppress = suppressed_tokens
         make_prompt = getattr(vision, "image_prompt", None)  # a prompt form of its own (Gemma 3's boi / eoi)
         self.image_prompt: Gemma3ImagePrompt | Idefics3ImagePrompt | None = (
             None if make_prompt is None else make_prompt(tokenizer)
@@ -116,6 +123,7 @@ class Intake:
         images: Sequence[object],
         arrival_order: int,
         decoder_prompt: str | Sequence[int] | None = None,
+        audio: object | None = None,
     ) -> tuple[Request, list[int]]:
         """The Request (status WAITING; a beam search's first beam) and its resumed tokens; ValueError naming what
         is wrong (Engine.add_request says what each argument means)."""
@@ -139,7 +147,13 @@ class Intake:
         lora_id = self.lora_id(params.lora_name)
         encoder_ids = None
         placed: tuple[PlacedImage, ...] = ()
-        if self.encoder_decoder is not None:
+        features = None
+        if takes_audio(self.encoder_decoder):
+            prompt_ids, encoder_ids, features = self._audio_input(prompt, params, images, audio, decoder_prompt)
+        elif audio is not None:
+            kind = "an encoder-decoder text model" if self.encoder_decoder is not None else "a text-only model"
+            raise ValueError(f"model {self.model_id!r} takes no audio: it is {kind}")
+        elif self.encoder_decoder is not None:
             encoder_ids = self._encoder_token_ids(prompt, params, images)
             prompt_ids = self._decoder_prompt_ids(decoder_prompt)
         elif decoder_prompt is not None:
@@ -181,6 +195,9 @@ class Intake:
             cache_salt=adapter_salt(params.lora_name),
             images=placed,
             encoder_token_ids=encoder_ids,
+            encoder_features=features,
+            suppress_token_ids=self.suppress,
+            begin_suppress_token_ids=self.begin_suppress,
             # transformers forces BOS where the decoder's input is its start token alone (a decoder prompt given:
             # not), and EOS as the last token a length limit allows
             forced_bos_token_id=self.forced_bos if len(prompt_ids) == 1 else None,
@@ -299,6 +316,67 @@ class Intake:
         if isinstance(prompt, (list, tuple)) and not prompt:
             raise ValueError("the encoder prompt is empty (no tokens)")
         return self._prompt_token_ids(prompt, encoder_limit=limit)
+
+    def _audio_input(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        images: Sequence[object],
+        audio: object | None,
+        decoder_prompt: object,
+    ) -> tuple[list[int], list[int], Any]:
+        """An audio model's request (Whisper): (its decoder prompt's ids, the encoder's placeholder ids, the audio's
+        log-mel features); ValueError naming what is wrong. The prompt is the decoder's (vLLM's form: text tokenized
+        without special tokens added, or ids); one without the decoder's start token gets it in front."""
+        model, features = self.encoder_decoder, self.audio_features
+        if model is None or features is None or model.max_encoder_len is None:
+            raise ValueError("not an audio model")
+        if _some_images(images):
+            raise ValueError(f"model {self.model_id!r} takes audio, not images")
+        if audio is None:
+            raise ValueError(
+                f"model {self.model_id!r} transcribes audio: give the audio with the prompt "
+                "(multi_modal_data={'audio': (samples, sample_rate)})"
+            )
+        if decoder_prompt is not None:
+            raise ValueError(
+                f"model {self.model_id!r} takes its decoder prompt as 'prompt' beside its audio (vLLM's form), "
+                "not as 'decoder_prompt'"
+            )
+        refused = [
+            name
+            for name, given in (
+                ("beam search", params.beam_search),
+                ("pooling (embeddings)", params.pooling is not None),
+                ("prompt_logprobs", params.prompt_logprobs is not None),
+            )
+            if given
+        ]
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: not supported for audio model {self.model_id!r}")
+        samples = load_audio(audio, features)
+        if isinstance(prompt, str):
+            too_long = prompt_size_error(prompt, self.max_model_len, self.prompt_token_bytes) if prompt else None
+            if too_long is not None:
+                raise ValueError(too_long)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        bad = next(
+            (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size), None
+        )
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if model.decoder_start_token_id not in ids:
+            ids = [model.decoder_start_token_id, *ids]
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the decoder prompt has {len(ids)} tokens (its start token included), but the decoder's context "
+                f"length is {self.max_model_len}"
+            )
+        return ids, [0] * model.max_encoder_len, features(samples)
 
     def _decoder_prompt_ids(self, decoder_prompt: str | Sequence[int] | None) -> list[int]:
         """The decoder's prompt: its start token, then `decoder_prompt` (text tokenized without special tokens, or

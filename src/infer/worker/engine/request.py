@@ -111,6 +111,14 @@ class Request:
     forced_eos_token_id: int | None = None
     cross_block_table: list[int] = field(default_factory=list)
     encoder_computed: bool = False
+    # an audio model's request (Whisper, worker/engine/audio.py): its encoder's input, log-mel features [mel bins,
+    # frames] (a torch tensor; `encoder_token_ids` then only holds as many placeholders as the encoder's output has
+    # positions, and `prompt_token_ids` are what the caller gave: its decoder prompt)
+    encoder_features: object | None = None
+    # the generation config's suppress_tokens (never sampled) and begin_suppress_tokens (not as the first generated
+    # token), as transformers' `generate` applies them (Whisper's)
+    suppress_token_ids: tuple[int, ...] = ()
+    begin_suppress_token_ids: tuple[int, ...] = ()
 
     @property
     def num_logprobs(self) -> int | None:
@@ -129,8 +137,11 @@ class Request:
 
     @property
     def input_token_ids(self) -> list[int]:
-        """The prompt as the caller gave it, tokenized: an encoder-decoder model's encoder input, else the prompt."""
-        return self.prompt_token_ids if self.encoder_token_ids is None else self.encoder_token_ids
+        """The prompt as the caller gave it, tokenized: a text encoder-decoder model's encoder input, else the prompt
+        (an audio model's: its decoder prompt)."""
+        if self.encoder_token_ids is None or self.encoder_features is not None:
+            return self.prompt_token_ids
+        return self.encoder_token_ids
 
     @property
     def num_input_tokens(self) -> int:

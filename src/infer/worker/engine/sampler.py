@@ -174,14 +174,17 @@ def _banned_tokens(
     requests: Sequence[Request], forced: Sequence[int | None], vocab_size: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) to mask: while a request is under min_tokens its stop token ids always and its EOS
-    ids unless ignore_eos; the last token of each bad word whose other tokens end the output."""
+    ids unless ignore_eos; the last token of each bad word whose other tokens end the output; the generation
+    config's suppressed tokens (and its begin-suppressed ones at the first generated token)."""
     rows: list[int] = []
     ids: list[int] = []
     for i, r in enumerate(requests):
         if forced[i] is not None:  # one token is allowed: nothing else to ban (_allowed_tokens)
             continue
         p = r.params
-        banned = _bad_word_bans(r)
+        banned = _bad_word_bans(r) | set(r.suppress_token_ids)
+        if r.num_output_tokens == 0:
+            banned |= set(r.begin_suppress_token_ids)
         if r.num_output_tokens < p.min_tokens:
             banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
         for token_id in sorted(t for t in banned if t < vocab_size):

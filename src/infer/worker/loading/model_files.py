@@ -268,6 +268,23 @@ def forced_token_ids(path: Path) -> tuple[int | None, int | None]:
     return None, None
 
 
+def suppressed_token_ids(path: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """generation_config.json's (suppress_tokens, begin_suppress_tokens), as transformers' `generate` applies them
+    (Whisper's): the first never sampled, the second not as the first generated token. Empty where the file names
+    none."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return (), ()
+    values = json.loads(file.read_text())
+    out = []
+    for key in ("suppress_tokens", "begin_suppress_tokens"):
+        ids = values.get(key) or []
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"{file}: {key} must be a list of token ids, got {ids!r:.200}")
+        out.append(tuple(ids))
+    return out[0], out[1]
+
+
 def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> frozenset[int]:
     """Token ids that end generation: generation_config.json's eos_token_id (else config.json's; an int or
     a list) plus the tokenizer's eos_token_id. Pass `tokenizer` to avoid loading it again."""

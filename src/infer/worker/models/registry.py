@@ -20,6 +20,7 @@ from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from infer.worker.models.phi3 import Phi3ForCausalLM
 from infer.worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from infer.worker.models.t5 import T5ForConditionalGeneration
+from infer.worker.models.whisper import WhisperForConditionalGeneration
 
 
 class CausalLM(Protocol):
@@ -58,6 +59,7 @@ class CausalLM(Protocol):
 MODEL_TYPES: dict[str, type] = {
     "bart": BartForConditionalGeneration,
     "t5": T5ForConditionalGeneration,
+    "whisper": WhisperForConditionalGeneration,
     "llama": LlamaForCausalLM,
     "llava": LlavaForConditionalGeneration,
     "llava_next": LlavaNextForConditionalGeneration,
@@ -82,6 +84,7 @@ MODEL_TYPES: dict[str, type] = {
 ARCHITECTURES: dict[str, type] = {
     "BartForConditionalGeneration": BartForConditionalGeneration,
     "T5ForConditionalGeneration": T5ForConditionalGeneration,
+    "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,

@@ -940,7 +940,8 @@ class WorkerCore:
             TokenIds(request.input_token_ids),  # an encoder-decoder model's: its encoder input, as given
             msg.resumed_token_ids,
             request.params.seed,
-            echo_prompt=spec.prompt is not None or bool(spec.images),  # images: their tokens expanded here
+            # images: their tokens expanded here; audio: the decoder's ids, its start token put in front here
+            echo_prompt=spec.prompt is not None or bool(spec.images) or bool(spec.audio),
         )
         if self.options.otlp_traces_endpoint is not None:
             sent.trace = WorkerTrace.start(msg, len(request.prompt_token_ids), now)
