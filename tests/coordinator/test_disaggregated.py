@@ -1,7 +1,8 @@
 """Disaggregated prefill and decode in the coordinator, frame by frame: a new request goes to a kv_producer with the
 kv_consumer named, the producer's hand-off (its abort delta, ErrorCode.KV_HANDOFF) continues it on that consumer from
 the tokens delivered (not counted as a retry), and a missing role leaves the work to the others; a draining worker with
-a KV port gets a target per request (DrainMoves / MoveTargets) and its hand-off continues there."""
+a KV port gets a target per request (DrainMoves / MoveTargets) and its hand-off continues there, never within its own
+EP group or another group with a draining rank; a group mate's death leaves a draining rank's requests to it."""
 
 from __future__ import annotations
 
@@ -88,3 +89,70 @@ def test_a_draining_worker_with_a_kv_port_moves_its_requests_to_another_and_they
     assert h.core.books.counters.requests_redispatched == 0
     for rid in ("s", "t", "u"):
         assert list(dispatches(h.submit(b"cl", rid, [5, 6]))) in ([b"b1"], [b"b2"])
+
+
+# ---- a drain in EP groups: an EP group's ranks step together, so a group with a draining rank goes away with it --
+
+
+def ep_groups(*groups: str) -> Harness:
+    """One kv_both worker with a KV port per letter of `groups`, at ranks 0, 1, ...: the workers of one letter form an
+    EP group of that name, a letter given once is a plain (dense) worker. Each is named by its letter and rank."""
+    h = Harness()
+    for rank, letter in enumerate(groups):
+        group = f"ep-{letter}" if groups.count(letter) > 1 else None
+        hello = worker_hello(
+            f"{letter}{rank}", rank, group=group, kv_role="kv_both", kv_address=f"tcp://127.0.0.1:{6000 + rank}"
+        )
+        h.send(f"{letter}{rank}".encode(), hello)
+    return h
+
+
+def move_targets(h: Harness, wid: str, *rids: str) -> list[tuple[str, str]]:
+    """Worker `wid` drains and asks where `rids` go: the (request id, KV address) pairs of its MoveTargets."""
+    from infer.protocol.messages import DrainMoves, MoveTargets
+
+    out = h.send(wid.encode(), DrainMoves(request_ids=list(rids)))
+    (answer,) = [m for who, m in out if who == wid.encode() and isinstance(m, MoveTargets)]
+    return [(m.request_id, m.kv_address) for m in answer.moves]
+
+
+def test_a_draining_ep_rank_moves_its_requests_out_of_its_group_and_of_every_group_with_a_draining_rank():
+    """e0 drains: e1 (its group's other rank, idle, the lower rank) is no target, nor f2 while f3 drains; the dense
+    d4 is. With only its own group's ranks left the request gets no target (it stays, as in any drain)."""
+    h = ep_groups("e", "e", "f", "f", "d")
+    for rid in ("r", "s"):
+        h.submit(b"cl", rid, [1, 2, 3], pin_rank=0)
+    assert move_targets(h, "f3") == []  # f3 drains with nothing running: f's group is going away too
+    assert move_targets(h, "e0", "r", "s") == [("r", "tcp://127.0.0.1:6004"), ("s", "tcp://127.0.0.1:6004")]
+
+    alone = ep_groups("e", "e")
+    alone.submit(b"cl", "r", [1, 2, 3], pin_rank=0)
+    assert move_targets(alone, "e0", "r") == []
+
+
+def test_a_dead_ep_rank_leaves_a_draining_mates_requests_to_it_until_that_mate_dies_too():
+    """e1 drains (its request moving to d2) when e0's connection goes: e0's request moves at once, e1 gets no Abort and
+    hands its own over with its KV (not a retry). Had e1 died as well, its death would have moved it."""
+    h = ep_groups("e", "e", "d")
+    h.submit(b"cl", "a", [1, 2, 3], pin_rank=0)
+    h.submit(b"cl", "b", [4, 5, 6], pin_rank=1)
+    h.step("e1", delta("b", 9))
+    assert move_targets(h, "e1", "b") == [("b", "tcp://127.0.0.1:6002")]
+    h.core.peer_gone(b"e0", h.now)
+    out = h.out()
+    assert not [m for who, m in out if who == b"e1"]  # no Abort: b is e1's to hand over
+    assert [d.request_id for d in dispatches(out)[b"d2"]] == ["a"]
+    assert h.core.books.requests.get("b").worker_id == "e1"
+    out = h.step("e1", delta("b", 4, finish="abort", code="kv_handoff", error="KV transfer: stored 1 of 1 blocks"))
+    (moved,) = dispatches(out)[b"d2"]
+    assert moved.request_id == "b" and moved.resumed_token_ids == [9, 4]
+    assert h.core.books.counters.requests_redispatched == 1  # a's failover; b's hand-off is no retry
+
+    h = ep_groups("e", "e", "d")
+    h.submit(b"cl", "b", [4, 5, 6], pin_rank=1)
+    move_targets(h, "e1", "b")
+    h.core.peer_gone(b"e0", h.now)
+    assert not dispatches(h.out())
+    h.core.peer_gone(b"e1", h.now)  # the draining rank itself died: its request moves, as any dead worker's
+    (moved,) = dispatches(h.out())[b"d2"]
+    assert moved.request_id == "b" and h.core.books.counters.requests_redispatched == 1

@@ -3,7 +3,8 @@ the transfer's state machine (worker/kv/transfer.py, sans-I/O, against a fake po
 refusals, the deadline), and the engine's side (worker/kv/port.py) on two real tiny-Llama engines: the blocks one
 prefilled are stored in the other's prefix cache, and the request resumed there gives the same greedy tokens with
 its prompt served from them; a consumer with no free block drops them (counted) and recomputes. Then a drain's moves in
-the worker core: it asks where its requests go, ships and hands back each named one, ends at its deadline."""
+the worker core: it asks where its requests go, ships and hands back each named one, ends at its deadline, and goes on
+without its EP group when a peer leaves during the drain."""
 
 from __future__ import annotations
 
@@ -513,3 +514,57 @@ def test_without_an_answer_or_a_kv_port_a_drain_is_as_before():
     assert plain.core.drained(plain.now)
     (given_back,) = deltas(plain.out())
     assert given_back.finish_reason == "abort" and given_back.error_code is None
+
+
+def test_an_ep_group_that_leaves_during_the_drain_ends_the_steps_not_the_moves():
+    """The whole EP group drains and a peer, drained first, leaves (worker/service/daemon.py `_advance_group`): the
+    move under way still ships and hands its request back; the request with no target cannot step any more and is given
+    back at once (no error code: the coordinator resumes it elsewhere); the drain then ends as any other (exit 0)."""
+    from worker_harness import deltas
+
+    from infer.protocol.messages import KvMove, MoveTargets
+
+    h = kv_port_harness(ExportingPort())
+    drain_started(h)
+    h.send(MoveTargets(moves=[KvMove(request_id="a", kv_address="tcp://127.0.0.1:6001", kv_key="")]))
+    (offer,) = h.core.take_kv_outgoing()
+    h.core.group_left("a member of EP group 'dp0' left", h.now)
+    assert h.core.group_gone and not h.core.wants_step()
+    (given_back,) = deltas(h.out())
+    assert given_back.request_id == "b" and given_back.finish_reason == "abort" and given_back.error_code is None
+    assert not h.core.drained(h.now)  # a is still shipping
+    receiver = KvReceiver(FakePort())
+    h.core.kv_sender.on_message(receiver.on_message(offer[2], b"fp0"))
+    (blocks,) = h.core.take_kv_outgoing()
+    h.core.on_kv_answer([encode(receiver.on_message(blocks[2], b"fp0"))], h.now)
+    (moved,) = deltas(h.out())
+    assert moved.request_id == "a" and moved.error_code == "kv_handoff"
+    assert h.core.drained(h.now)
+
+
+def test_a_group_that_leaves_before_the_moves_are_answered_waits_for_them_and_one_not_draining_exits_1():
+    """The peer left before MoveTargets came: the requests wait for it without stepping (the named one then moves, the
+    other is given back). A rank that does not drain cannot go on without its group: every request back, exit 1."""
+    from worker_harness import deltas, dispatch
+
+    from infer.protocol.messages import KvMove, MoveTargets
+    from infer.worker.service.core import EXIT_FATAL, WorkerExit
+
+    h = kv_port_harness(ExportingPort())
+    drain_started(h)
+    h.core.group_left("a member of EP group 'dp0' left", h.now)
+    assert not deltas(h.step()) and h.engine.has_unfinished() and not h.core.wants_step()
+    assert h.core.poll_timeout(h.now) > 0  # nothing to step: it waits in poll
+    out = h.send(MoveTargets(moves=[KvMove(request_id="a", kv_address="tcp://127.0.0.1:6001", kv_key="")]))
+    assert len(h.core.take_kv_outgoing()) == 1
+    (given_back,) = deltas(out)  # a's abort waits for its transfer
+    assert given_back.request_id == "b" and given_back.finish_reason == "abort" and not h.engine.has_unfinished()
+
+    serving = kv_port_harness(ExportingPort())
+    serving.send(dispatch("a", max_tokens=50))
+    serving.step()
+    with pytest.raises(WorkerExit) as exit_:
+        serving.core.group_left("a member of EP group 'dp0' left", serving.now)
+    assert exit_.value.code == EXIT_FATAL and exit_.value.leave_group is None
+    (given_back,) = deltas(serving.out())
+    assert given_back.request_id == "a" and given_back.finish_reason == "abort"

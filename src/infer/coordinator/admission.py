@@ -312,13 +312,18 @@ class Admission:
         """Where a draining worker's request goes on with its KV (docs/architecture.md, "A drain that moves KV"): the
         model's policy among the routable workers with a KV port and room (consumers and kv_both workers before
         producers; a producer's request keeps the consumer it was dispatched with, which may hold its blocks by
-        then); None: no such worker (the request finishes on `source`). Its hand-off then goes there
-        (`request.kv_consumer`)."""
+        then), never a rank of `source`'s EP group nor of another group with a draining rank (a group cannot step
+        without its members: it goes away with them); None: no such worker (the request finishes on `source`). Its
+        hand-off then goes there (`request.kv_consumer`)."""
         if request.model is None:
             return None
-        able = [w for w in self.routable_for(request.model) if w.hello.kv_address is not None and self._has_room(w)]
+        leaving = {source.group_key} | {w.group_key for w in self.books.workers if w.draining}
+        able = [
+            w
+            for w in self.routable_for(request.model)
+            if w.hello.kv_address is not None and w.group_key not in leaving and self._has_room(w)
+        ]
         candidates = [w for w in able if w.kv_role != "kv_producer"] or able
-        candidates = [w for w in candidates if w is not source]
         if not candidates:
             return None
         policy = self.policy(source.model_id)

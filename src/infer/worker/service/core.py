@@ -221,6 +221,8 @@ class WorkerCore:
         self._kv_transferring: set[str] = set()  # handed off in this step: their abort delta is on its way
         self._kv_handed: dict[str, Delta] = {}  # given back, waiting for their transfer to end: the delta that says so
         self._kv_replies: list[tuple[bytes, Message]] = []  # a consumer's answers: (producer's peer id, message)
+        self._moves_asked = False  # the drain's DrainMoves went out and no MoveTargets answered it yet
+        self._group_gone = False  # the EP group left during the drain (group_left): no more steps here
 
     # ---- the shell's surface -------------------------------------------------------------------
 
@@ -273,8 +275,8 @@ class WorkerCore:
         return self.streams.take()
 
     def wants_step(self) -> bool:
-        """The engine has work and the lifecycle lets it step."""
-        return self.state is WorkerState.RUNNING and self.engine.has_unfinished()
+        """The engine has work and the lifecycle lets it step (and, in an EP group, the group is still there)."""
+        return self.state is WorkerState.RUNNING and not self._group_gone and self.engine.has_unfinished()
 
     def shed_overdue(self, now: float) -> None:
         """Before each step, at most once per _SHED_CHECK_S: fail the requests that waited past --max-queue-time
@@ -406,6 +408,7 @@ class WorkerCore:
         movable = [rid for rid in self._requests if rid not in self._kv_transferring]
         if movable:
             self._send(DrainMoves(request_ids=movable), now)
+            self._moves_asked = True
 
     def _on_move_targets(self, msg: MoveTargets, now: float) -> None:
         """Each named request still running here: its full blocks copied out, the request aborted here and its
@@ -414,6 +417,7 @@ class WorkerCore:
         sender, port = self.kv_sender, self.kv_port
         if sender is None or port is None or self._drain_deadline is None:
             return
+        self._moves_asked = False
         fingerprint = port.fingerprint(self.engine.weight_version)
         moved = 0
         for move in msg.moves:
@@ -431,6 +435,8 @@ class WorkerCore:
             log.info("drain: moving %d request(s) with their KV", moved)
             self._send_step_batch(self.engine.take_pending(), now)
             self._finish_transfers(now)
+        if self._group_gone:
+            self._give_back_unmoved(now)
 
     def _end_moves(self, now: float) -> None:
         """The drain's deadline: every transfer still under way ends now, and its request goes back as it stands."""
@@ -457,6 +463,36 @@ class WorkerCore:
         log.error("%s; giving back %d request(s) and exiting", reason, len(self._requests))
         self._abort_all(now)
         raise WorkerExit(EXIT_FATAL, f"fatal: {reason}")
+
+    def group_left(self, reason: str, now: float) -> None:
+        """A member of the EP group left it in order (it drained, or was stopped): the group steps no more. Not
+        draining, this rank ends as on `group_broken`. Draining (the whole group drains: a SIGTERM to every rank, a
+        scale-down), the departure is part of the drain: the moves under way go on shipping their KV, the requests
+        that would need a step are given back (the coordinator resumes them elsewhere) at once or, while DrainMoves
+        waits for its answer, once MoveTargets came (some of them move then), and `drained` ends the process, exit 0."""
+        if self._drain_deadline is None:
+            self.group_broken(reason, now)
+        if self._group_gone:
+            return
+        self._group_gone = True
+        log.info(
+            "%s during the drain: no more steps here; %d request(s) still shipping their KV",
+            reason,
+            len(self._kv_handed),
+        )
+        if not self._moves_asked:
+            self._give_back_unmoved(now)
+
+    @property
+    def group_gone(self) -> bool:
+        """The EP group left during the drain (`group_left`): no more rounds, no more steps."""
+        return self._group_gone
+
+    def _give_back_unmoved(self, now: float) -> None:
+        """The group is gone: the requests that did not move with their KV cannot step here any more."""
+        if self._requests:
+            log.info("drain: giving back %d request(s) that cannot step without the EP group", len(self._requests))
+            self._abort_all(now)
 
     def check_signals(self, now: float) -> None:
         """The first signal starts the drain (deadline --drain-timeout); a second ends it at once."""

@@ -31,7 +31,8 @@ Lifecycle and exit codes:
 - SIGTERM / SIGINT: drain (new Dispatches get an error delta "worker is draining"; running requests finish, or
   with --kv-transfer-config move to other workers with their KV; the rest is aborted after --drain-timeout), exit 0.
   A second signal ends the drain at once. The coordinator's DrainWorker (an administrator's scale-down) starts the
-  same drain.
+  same drain. In an EP group, a peer that leaves while this rank drains (the whole group drains) ends the group's
+  rounds, not the drain: the moves finish shipping, what would need a step is given back, exit 0.
 - Control "stop": abort everything, exit 0. Bad options: exit 2. Any other fatal error: exit 1.
 Nothing from the wire can end the worker except Refused and "stop": a bad frame gets an Error back.
 """
@@ -260,7 +261,7 @@ class Worker:
     def _poll_timeout(self) -> float:
         """Seconds to block in poll: 0 while there is work, else until the next timer is due (the core's)."""
         group = self.group
-        if group is None:
+        if group is None or self.core.group_gone:
             return self.core.poll_timeout(time.monotonic())
         # an idle group checks its members once per heartbeat interval
         return self.core.poll_timeout(
@@ -364,8 +365,12 @@ class Worker:
 
     def _advance_group(self, group: GroupSync) -> None:
         """Enter the group's next round when anyone may have work (or to check the members while idle),
-        then run this rank's step, or a dummy forward, if anyone has work."""
+        then run this rank's step, or a dummy forward, if anyone has work. A member that leaves ends the group:
+        this rank too, unless it drains (then its drain goes on without rounds: WorkerCore.group_left)."""
         now, core = time.monotonic(), self.core
+        if core.group_gone:
+            core.after_step(self.engine.take_pending(), now, refit=False)
+            return self._flush()
         has_work = core.wants_step()
         woken = group.woken()
         check_due = now - self._last_round >= self.options.heartbeat_interval
@@ -382,7 +387,9 @@ class Worker:
         if any_leaving:
             if self._leaving is not None:
                 return
-            core.group_broken(f"a member of EP group {core.group_id!r} left", time.monotonic())
+            core.group_left(f"a member of EP group {core.group_id!r} left", time.monotonic())
+            self.poller.unregister(group.wake_socket)  # no peer wakes this rank again
+            return self._flush()
         if any_work:
             # an EP group's engine is a real Engine (WorkerOptions refuses --benchmark-mode with --ep-size)
             engine = cast("Engine", self.engine)
@@ -394,7 +401,9 @@ class Worker:
 
     def _leave_group(self, group: GroupSync, reason: str) -> None:
         """Tell the group this rank is leaving (one last round), so the others leave too instead of hanging
-        in a collective."""
+        in a collective; nothing to tell when the group left first."""
+        if self.core.group_gone:
+            return
         self._leaving = reason
         try:
             self._advance_group(group)
