@@ -136,7 +136,9 @@ def test_layers_send_every_bf16_row_to_the_gemv_and_keep_one_copy(monkeypatch, n
     """A bf16 linear takes the GEMV at every row count (1-8 streamed, more in tiles), each row with the bits it has
     alone, and keeps no oneDNN-packed copy beside its weight (on AVX512-BF16 that copy once doubled the weights'
     memory; on an AVX2 CPU oneDNN packs no bf16 weight at all, and ATen's bf16 matmul ran at 0.84x llama.cpp's
-    speed). A column stride of 2 is copied to unit stride first. fp32 weights keep oneDNN's packed path."""
+    speed). A column stride of 2 is copied to unit stride first. fp32 weights keep oneDNN's packed path. (A CPU
+    with AMX-BF16 keeps the packed copy for prefills: the next test; here the layer is told it has none.)"""
+    monkeypatch.setattr("infer.worker.models.layers.amx_bf16", lambda: False)
     rows_seen: list[int] = []
     monkeypatch.setattr(
         "infer.worker.models.layers.gemv", lambda x, w, b=None: rows_seen.append(x.shape[0]) or gemv(x, w, b)
