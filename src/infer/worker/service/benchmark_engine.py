@@ -47,13 +47,14 @@ class BenchmarkEngine:
         client: str | None = None,
         images: Sequence[object] = (),
         decoder_prompt: str | Sequence[int] | None = None,
+        audio: bytes | None = None,
     ) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if decoder_prompt is not None:
             raise ValueError("decoder_prompt is for encoder-decoder models; the benchmark engine is decoder-only")
-        if images:
-            raise ValueError("the benchmark engine takes no images: it runs no model")
+        if images or audio:
+            raise ValueError("the benchmark engine takes no images or audio: it runs no model")
         params = params or SamplingParams()
         if isinstance(prompt, str) and len(prompt) >= self.max_model_len:  # a token per byte: never fits
             raise ValueError(f"the prompt is {len(prompt)} characters; the context is {self.max_model_len} tokens")
