@@ -758,6 +758,7 @@ def test_a_dispatch_nests_the_spec_its_submit_carried_replaced_only_by_the_seed_
         "priority": -3,
         "images": [],
         "decoder_prompt": "ignored by a decoder-only worker, carried all the same",
+        "audio": None,
     }
 
     sampled = RequestSpec(prompt="hello", sampling=SamplingParams(temperature=0.8, max_tokens=4))
