@@ -3,8 +3,10 @@ of two ranks A0 and A1 and a dense worker D, each with a KV port (`--kv-transfer
 SIGTERM to the whole group while requests stream on it: each rank ships its running requests' KV to D, never to a rank
 of its own group (which goes away with it); the rank whose peer left the group first finishes its drain instead of
 failing, and the coordinator, hearing the first one gone, leaves the other's requests to it. Every stream equals the
-undisturbed run's greedy tokens, D received and hit the blocks, none is recomputed, both ranks exit 0. A rank killed -9
-mid-drain: every stream still completes exactly (its requests recomputed)."""
+undisturbed run's greedy tokens, D received and hit the blocks, none is recomputed, both ranks exit 0. SIGTERM to one
+rank alone drains the whole group the same way (its mate hears it in the group's rounds), and the coordinator routes no
+new request to either rank meanwhile. A rank killed -9 mid-drain: every stream still completes exactly (its requests
+recomputed)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ KV_PORT = ["--kv-transfer-config", json.dumps({"kv_role": "kv_both", "kv_transfe
 LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 PROMPTS = [[(5 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((40, 53, 70, 35))]
 BEFORE = 8  # tokens each stream has when the group is told to drain
+# new requests sent during a drain: no full block in common with PROMPTS, so they add nothing to what D is sent
+LATE = [[(3 * j + 200 + i) % 400 + 3 for j in range(20)] for i in range(2)]
+SHORT = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +92,11 @@ class GroupAndDense:
         await asyncio.wait_for(asyncio.gather(*tasks), 60)
         return tokens
 
+    async def routed(self, client) -> dict[str, int]:
+        """The dispatches the coordinator sent each worker so far, by name."""
+        by_id = {w.worker_id: w.requests_routed for w in (await client.stats()).workers}
+        return {name: by_id[proc.worker_id] for name, proc in self.procs.items()}
+
     async def load(self, client, name: str):
         await asyncio.sleep(0.6)  # a heartbeat or two: the counters of the last step
         worker_id = self.procs[name].worker_id
@@ -131,13 +141,64 @@ async def test_a_whole_ep_group_drained_under_load_ships_every_request_to_the_de
     assert len(re.findall(r"drains: 2 of 2 request\(s\) move with their KV", both.cluster.procs[0].text())) == 2
 
 
+async def test_one_rank_drained_drains_its_whole_group_and_nothing_new_is_routed_to_it(
+    cluster_factory, moe_model, wait_until
+):
+    """Streams on both ranks; SIGTERM to A0 alone, D stopped for the drain's first moments (the moves wait on it, so
+    the group is still there). A1, never signalled, hears A0 drain in the group's next round and drains too: each rank
+    ships its two requests to D. Two new requests sent meanwhile both go to D, none to A0 or A1. Every stream and both
+    new requests equal the undisturbed run; D received and hit the blocks; none recomputed; both ranks exit 0."""
+    on = ["A0", "A1", "A0", "A1"]
+    both = GroupAndDense(cluster_factory, moe_model)
+    async with both.cluster.client() as client:
+        await both.ready(client, wait_until)
+        reference = await both.reference(client, on)
+        late_reference = [(await client.generate(p, SHORT, pin_rank=both.rank["D"])).token_ids for p in LATE]
+        hits_before = (await both.load(client, "D")).prefix_cache_hits
+        coordinator = both.cluster.procs[0]
+        late: list[asyncio.Task] = []
+
+        async def strike() -> None:
+            both.signal("D", signal.SIGSTOP)
+            try:
+                both.signal("A0", signal.SIGTERM)
+
+                async def both_ask() -> bool:
+                    return len(re.findall(r"drains: 2 of 2 request\(s\) move", coordinator.text())) == 2
+
+                await wait_until(both_ask, 10, "A0 and A1 to ask where their requests go")
+                before = await both.routed(client)
+                late.extend(asyncio.create_task(client.generate(p, SHORT)) for p in LATE)
+
+                async def routed() -> dict[str, int] | None:
+                    now = await both.routed(client)
+                    return now if now["D"] == before["D"] + 2 else None
+
+                after = await wait_until(routed, 10, "the new requests to be routed")
+                assert (after["A0"], after["A1"]) == (before["A0"], before["A1"])
+            finally:
+                both.signal("D", signal.SIGCONT)
+
+        assert await both.stream_and_strike(client, on, strike) == reference
+        assert [c.token_ids for c in await asyncio.wait_for(asyncio.gather(*late), 60)] == late_reference
+        assert both.procs["A0"].wait(30) == 0 and both.procs["A1"].wait(30) == 0
+        got = await both.load(client, "D")
+        assert got.kv_transfer_received_blocks >= at_least_blocks(PROMPTS) and got.kv_transfer_dropped_blocks == 0
+        assert got.prefix_cache_hits - hits_before >= 16 * got.kv_transfer_received_blocks
+        assert (await client.stats()).requests_redispatched == 0
+    a1 = both.procs["A1"].text()
+    assert "a member of EP group" in a1 and "drains: draining 2 requests" in a1 and "fatal" not in a1
+    for name in ("A0", "A1"):
+        assert "drain: moving 2 request(s) with their KV" in both.procs[name].text()
+        assert both.kv_targets(name) == {both.kv_address("D")}
+
+
 async def test_the_idle_rank_leaves_first_its_peer_ships_anyway_and_keeps_its_requests(
     cluster_factory, moe_model, wait_until
 ):
-    """Streams on A1 only; D stopped for the drain's first moments, so A1's moves wait on it. A0, idle, asks for no
-    moves (the coordinator never hears it drains) and leaves the group at once: A1 goes on without it (maybe before its
-    moves are decided: it waits for them) and ships its four requests to D, never to A0 (as idle as D, of a lower
-    rank). The coordinator hears A0 gone while A1 still ships and leaves A1's requests to it: once D continues, they go
+    """Streams on A1 only; D stopped for the drain's first moments, so A1's moves wait on it. A0, idle, has nothing
+    to move (its DrainMoves is empty) and leaves the group at once: A1 goes on without it (maybe before its moves are
+    decided: it waits for them) and ships its four requests to D, never to A0 (as idle as D, of a lower rank). The coordinator hears A0 gone while A1 still ships and leaves A1's requests to it: once D continues, they go
     on there with their KV, none recomputed; both ranks exit 0."""
     on = ["A1", "A1", "A1", "A1"]
     both = GroupAndDense(cluster_factory, moe_model)

@@ -2,7 +2,8 @@
 kv_consumer named, the producer's hand-off (its abort delta, ErrorCode.KV_HANDOFF) continues it on that consumer from
 the tokens delivered (not counted as a retry), and a missing role leaves the work to the others; a draining worker with
 a KV port gets a target per request (DrainMoves / MoveTargets) and its hand-off continues there, never within its own
-EP group or another group with a draining rank; a group mate's death leaves a draining rank's requests to it."""
+EP group or another group with a draining rank; a group with a draining rank gets no new request on any rank; a
+group mate's death leaves a draining rank's requests to it, and every mate's when the dead rank itself drained."""
 
 from __future__ import annotations
 
@@ -156,3 +157,29 @@ def test_a_dead_ep_rank_leaves_a_draining_mates_requests_to_it_until_that_mate_d
     h.core.peer_gone(b"e1", h.now)  # the draining rank itself died: its request moves, as any dead worker's
     (moved,) = dispatches(h.out())[b"d2"]
     assert moved.request_id == "b" and h.core.books.counters.requests_redispatched == 1
+
+
+def test_one_draining_rank_takes_its_whole_group_out_of_routing():
+    """e0 drains with nothing running (its empty DrainMoves says so): e1, not yet heard to drain, gets no new request
+    either (the group drains as a whole: worker/service/core.py `group_drains`); every new request goes to d2."""
+    h = ep_groups("e", "e", "d")
+    assert move_targets(h, "e0") == []
+    assert not h.core.books.workers.by_id["e1"].draining
+    for rid in ("r", "s", "t", "u"):
+        assert list(dispatches(h.submit(b"cl", rid, [1, 2, 3]))) == [b"d2"]
+
+
+def test_a_drained_rank_leaving_leaves_every_mates_requests_to_it():
+    """e0 drained and left before the coordinator heard e1 drain (e1 heard it in the group's rounds and asks its
+    moves itself): e1's request stays e1's, no Abort, no retry; it then moves with its KV."""
+    h = ep_groups("e", "e", "d")
+    h.submit(b"cl", "b", [4, 5, 6], pin_rank=1)
+    h.step("e1", delta("b", 9))
+    assert move_targets(h, "e0") == []
+    h.core.peer_gone(b"e0", h.now)
+    assert not [m for who, m in h.out() if who == b"e1"]
+    assert h.core.books.requests.get("b").worker_id == "e1"
+    assert move_targets(h, "e1", "b") == [("b", "tcp://127.0.0.1:6002")]
+    out = h.step("e1", delta("b", 4, finish="abort", code="kv_handoff", error="KV transfer: stored 1 of 1 blocks"))
+    (moved,) = dispatches(out)[b"d2"]
+    assert moved.resumed_token_ids == [9, 4] and h.core.books.counters.requests_redispatched == 0

@@ -61,6 +61,7 @@ def _rank_main(rank: int, port: int, tokens: list[int], scenario: str, results) 
                 sync.wake_peers()
                 seen.append(sync.agree(True, False))
                 seen.append(sync.agree(False, False))  # nobody has work: the group goes idle
+                seen.append(sync.agree(True, False))
             else:
                 deadline = time.monotonic() + 10
                 while not sync.woken():
@@ -68,7 +69,9 @@ def _rank_main(rank: int, port: int, tokens: list[int], scenario: str, results) 
                     time.sleep(0.01)
                 seen.append(sync.agree(False, False))
                 seen.append(sync.agree(False, False))
-                sync.wake_peers()  # a wake for round 2, then a stale one for round 0 from the past
+                seen.append(sync.agree(False, True, draining=True))  # its drain and departure reach rank 0
+                sync.wake_peers()  # a wake for round 3, then a stale one for round 0 from the past
+            seen = [(a.work, a.leaving, a.draining) for a in seen]
             seen.append(sync.round)
             results.put((rank, seen))
             sync.close()
@@ -107,9 +110,12 @@ def test_two_rank_exchange_equals_one_rank():
 
 
 def test_group_sync_wakes_an_idle_peer_and_agrees():
+    """Rounds agree on (work, leaving, draining) OR-ed over the group: rank 0's work, then nobody's, then rank 1's
+    drain and departure with rank 0's work."""
     got = _spawn("agree", [[], []])
-    assert got[0] == [(True, False), (False, False), 2], got[0]
-    assert got[1] == [(True, False), (False, False), 2], got[1]
+    want = [(True, False, False), (False, False, False), (True, True, True), 3]
+    assert got[0] == want, got[0]
+    assert got[1] == want, got[1]
 
 
 def test_a_dead_member_breaks_the_exchange_instead_of_hanging():

@@ -542,6 +542,44 @@ def test_an_ep_group_that_leaves_during_the_drain_ends_the_steps_not_the_moves()
     assert h.core.drained(h.now)
 
 
+def test_a_mates_drain_drains_this_rank_too_and_its_departure_then_ends_no_request():
+    """A round said a member of the EP group drains (worker/service/daemon.py `_advance_group`): this rank, serving and
+    not signalled, drains as on SIGTERM: it asks where its requests go, refuses new ones; a second such round changes
+    nothing. When the drained mate leaves, the requests move or are given back and the rank exits 0, not 1."""
+    from worker_harness import deltas, dispatch
+
+    from infer.protocol.messages import DrainMoves, KvMove, MoveTargets
+
+    h = kv_port_harness(ExportingPort(), drain_timeout=5.0)
+    for rid in ("a", "b"):
+        h.send(dispatch(rid, max_tokens=50))
+    h.step()
+    h.core.group_drains(h.now)
+    (ask,) = [m for m in h.out() if isinstance(m, DrainMoves)]
+    assert ask.request_ids == ["a", "b"] and h.core.draining
+    h.now += 1
+    h.core.group_drains(h.now)  # every later round says it again
+    assert not [m for m in h.out() if isinstance(m, DrainMoves)]
+    h.send(dispatch("c", max_tokens=5))
+    assert [(d.request_id, d.error_code) for d in deltas(h.step()) if d.finished] == [("c", "draining")]
+    h.send(MoveTargets(moves=[KvMove(request_id="a", kv_address="tcp://127.0.0.1:6001", kv_key="")]))
+    h.core.group_left("a member of EP group 'dp0' left", h.now)  # no WorkerExit: the departure is part of the drain
+    (given_back,) = deltas(h.out())
+    assert given_back.request_id == "b" and given_back.finish_reason == "abort"
+    h.now += 5
+    assert h.core.drained(h.now)
+
+
+def test_a_rank_with_a_kv_port_and_nothing_running_says_it_drains():
+    """An empty DrainMoves: the coordinator takes the rank, and its EP group, out of routing at once."""
+    from infer.protocol.messages import DrainMoves
+
+    h = kv_port_harness(ExportingPort())
+    h.core.signals += 1
+    (ask,) = [m for m in h.step() if isinstance(m, DrainMoves)]
+    assert ask.request_ids == [] and h.core.drained(h.now)
+
+
 def test_a_group_that_leaves_before_the_moves_are_answered_waits_for_them_and_one_not_draining_exits_1():
     """The peer left before MoveTargets came: the requests wait for it without stepping (the named one then moves, the
     other is given back). A rank that does not drain cannot go on without its group: every request back, exit 1."""

@@ -94,9 +94,12 @@ class Admission:
             self.send(worker.identity, KvResync(reason=problem))
 
     def worker_draining(self, worker: WorkerRecord) -> None:
-        """`worker` drains: out of routing (the caller marked it), and what routing remembers of it goes."""
+        """`worker` drains: out of routing (the caller marked it) with every rank of its EP group (the group drains
+        as a whole: worker/service/core.py `group_drains`), and what routing remembers of them goes."""
         self.routes_changed()
-        self._forget(worker)
+        for rank in self.books.workers:
+            if rank.group_key == worker.group_key:
+                self._forget(rank)
 
     def _forget(self, worker: WorkerRecord) -> None:
         self.policy(worker.model_id).forget_rank(worker.dp_rank)
@@ -507,15 +510,14 @@ class Admission:
         self.routable_cache = None
 
     def routable(self) -> list[WorkerRecord]:
-        """Healthy workers whose whole group is healthy (a dead member stalls an EP group's collectives) and
-        that serve the cluster's weight version (a worker behind is brought to it first: commands.py)."""
+        """Healthy workers whose whole group is healthy (a dead member stalls an EP group's collectives) and not
+        draining (a draining member takes its group with it: every rank drains), and that serve the cluster's
+        weight version (a worker behind is brought to it first: commands.py)."""
         if self.routable_cache is None:
-            dead_groups = {w.group_key for w in self.books.workers if not w.healthy}
+            out = {w.group_key for w in self.books.workers if not w.healthy or w.draining}
             version = self.status.weight_version
             self.routable_cache = [
-                w
-                for w in self.books.workers
-                if w.healthy and not w.draining and w.group_key not in dead_groups and w.weight_version == version
+                w for w in self.books.workers if w.healthy and w.group_key not in out and w.weight_version == version
             ]
             self.index.rebuild(self.routable_cache)
         return self.routable_cache

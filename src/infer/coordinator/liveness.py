@@ -103,8 +103,9 @@ class Liveness:
 
     def mark_dead(self, worker: WorkerRecord, reason: str, now: float) -> None:
         """`worker` is gone: its requests move, and so do those of its EP group's mates (the group cannot step
-        without it), except a draining mate's: it hands them over itself, with their KV where it moves them, or
-        gives them back (docs/architecture.md, "A drain that moves KV"); if it dies too, its own death moves them."""
+        without it), except in a group that drains (`worker` or a mate drains: every rank drains then, told in the
+        group's rounds): each mate hands its requests over itself, with their KV where it moves them, or gives them
+        back (docs/architecture.md, "A drain that moves KV"); if it dies too, its own death moves them."""
         worker.healthy = False
         self.admission.worker_died(worker)
         self.on_worker_dead(worker)
@@ -116,7 +117,8 @@ class Liveness:
             len(worker.requests),
             f"; its group {safe(worker.group_id)} is unhealthy until it returns" if mates else "",
         )
-        for w in [worker, *(m for m in mates if not m.draining)]:
+        drains = worker.draining or any(m.draining for m in mates)
+        for w in [worker, *(m for m in mates if not drains)]:
             moved = [r for r in map(self.books.requests.get, list(w.requests)) if r is not None]
             # The dead worker too: if it only hung, the Abort waits ahead of its next step, so a request
             # never runs on two workers at once (an unroutable send is ignored: it is dead already).

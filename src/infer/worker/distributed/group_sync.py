@@ -6,13 +6,17 @@ The MoE layers of an EP group exchange tokens with collectives, so every rank mu
 group step, a dummy one when it has nothing to do. Each rank still has its own requests, so the group
 agrees before every step:
 
-- **Rounds.** A round is one `agree()` call on every rank: a tiny all_reduce of (has work, leaving). If
+- **Rounds.** A round is one `agree()` call on every rank: a tiny all_reduce of (has work, leaving, draining). If
   anyone has work, every rank then runs one forward (its step, or a dummy) and the next round follows at
   once. If nobody has work, the group goes idle: every rank blocks in its own zmq poll, costing nothing.
 - **Waking an idle group.** The rank that gets work first sends a wake naming the next round's number to
   every peer (zmq PUSH -> each peer's PULL socket, which is in the peer's poller) and enters the round;
   the woken peers enter it too. Stale wakes (an older round's) are dropped, so no rank ever enters a round
   its peers will not.
+- **Draining.** A rank that drains (SIGTERM, the coordinator's DrainWorker) says so in every round from then on;
+  a rank that hears it drains too, as if signalled: the group cannot step without the rank that goes away, so it
+  drains as a whole (each rank moves its own requests out of the group). The round in which the first rank leaves
+  says it too, so no mate meets the departure without draining.
 - **Leaving.** A rank that stops (told to, or drained) says so in the round; every rank then leaves with
   it (the group's collectives cannot run with a member gone). A member that dies makes the next
   collective fail at once (its connections close) or time out after `timeout_s`; the survivors then give
@@ -111,6 +115,16 @@ def _env_int(env: dict[str, str], name: str) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {env[name]!r}") from None
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What one round agreed, the same on every rank: does any rank have work (every rank then steps), is any rank
+    leaving (every rank leaves), is any rank draining (every rank drains)."""
+
+    work: bool
+    leaving: bool
+    draining: bool
+
+
 class GroupSync:
     """The per-step agreement and the wake channel of one rank (see the module doc)."""
 
@@ -189,21 +203,21 @@ class GroupSync:
             except zmq.Again:  # a peer's queue is full of wakes already: it will wake
                 pass
 
-    def agree(self, has_work: bool, leaving: bool) -> tuple[bool, bool]:
-        """One round: (does any rank have work, is any rank leaving). Raises GroupBroken when a member is
-        gone or silent past the timeout."""
+    def agree(self, has_work: bool, leaving: bool, draining: bool = False) -> Agreement:
+        """One round: this rank's three flags, OR-ed over the group. Raises GroupBroken when a member is gone or
+        silent past the timeout."""
         import torch
         import torch.distributed as dist
 
-        flags = torch.tensor([int(has_work), int(leaving)], dtype=torch.int64)
+        flags = torch.tensor([int(has_work), int(leaving), int(draining)], dtype=torch.int64)
         try:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError variants
             raise GroupBroken(f"EP group collective failed in round {self.round}: {e}") from e
         self.round += 1
-        any_work, any_leaving = bool(flags[0]), bool(flags[1])
-        self.active = any_work and not any_leaving
-        return any_work, any_leaving
+        agreed = Agreement(work=bool(flags[0]), leaving=bool(flags[1]), draining=bool(flags[2]))
+        self.active = agreed.work and not agreed.leaving
+        return agreed
 
     def close(self) -> None:
         for push in self._peers:

@@ -403,13 +403,14 @@ class WorkerCore:
 
     def _ask_moves(self, now: float) -> None:
         """The drain starts on a worker with a KV port: ask the coordinator where its requests go on (DrainMoves).
-        Until MoveTargets answers (and for the requests it names no target for) they run here, as in any drain."""
+        Until MoveTargets answers (and for the requests it names no target for) they run here, as in any drain. With
+        nothing to move it asks anyway: the coordinator then knows it drains (and its EP group with it) and routes
+        nothing more to it or its group."""
         if self.kv_sender is None or not self.ever_welcomed:
             return
         movable = [rid for rid in self._requests if rid not in self._kv_transferring]
-        if movable:
-            self._send(DrainMoves(request_ids=movable), now)
-            self._moves_asked = True
+        self._send(DrainMoves(request_ids=movable), now)
+        self._moves_asked = bool(movable)
 
     def _on_move_targets(self, msg: MoveTargets, now: float) -> None:
         """Each named request still running here: its full blocks copied out, the request aborted here and its
@@ -465,12 +466,20 @@ class WorkerCore:
         self._abort_all(now)
         raise WorkerExit(EXIT_FATAL, f"fatal: {reason}")
 
+    def group_drains(self, now: float) -> None:
+        """A round of the EP group said a member drains (maybe this rank): the group cannot step once that member
+        leaves, so it drains as a whole; this rank drains as on SIGTERM (its requests move out of the group with
+        their KV), unless it drains already."""
+        if self._drain_deadline is None:
+            self._start_drain(f"a member of EP group {self.group_id!r} drains", now)
+
     def group_left(self, reason: str, now: float) -> None:
         """A member of the EP group left it in order (it drained, or was stopped): the group steps no more. Not
-        draining, this rank ends as on `group_broken`. Draining (the whole group drains: a SIGTERM to every rank, a
-        scale-down), the departure is part of the drain: the moves under way go on shipping their KV, the requests
-        that would need a step are given back (the coordinator resumes them elsewhere) at once or, while DrainMoves
-        waits for its answer, once MoveTargets came (some of them move then), and `drained` ends the process, exit 0."""
+        draining (the member was stopped), this rank ends as on `group_broken`. Draining (the whole group drains: a
+        member's drain reached every rank, `group_drains`, at the latest in the round it left), the departure is part
+        of the drain: the moves under way go on shipping their KV, the requests that would need a step are given back
+        (the coordinator resumes them elsewhere) at once or, while DrainMoves waits for its answer, once MoveTargets
+        came (some of them move then), and `drained` ends the process, exit 0."""
         if self._drain_deadline is None:
             self.group_broken(reason, now)
         if self._group_gone:

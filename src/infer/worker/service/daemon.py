@@ -31,8 +31,9 @@ Lifecycle and exit codes:
 - SIGTERM / SIGINT: drain (new Dispatches get an error delta "worker is draining"; running requests finish, or
   with --kv-transfer-config move to other workers with their KV; the rest is aborted after --drain-timeout), exit 0.
   A second signal ends the drain at once. The coordinator's DrainWorker (an administrator's scale-down) starts the
-  same drain. In an EP group, a peer that leaves while this rank drains (the whole group drains) ends the group's
-  rounds, not the drain: the moves finish shipping, what would need a step is given back, exit 0.
+  same drain. In an EP group the drain of one rank is the whole group's: the rounds carry it, and a rank that hears a
+  mate drains drains too. A peer that leaves while this rank drains ends the group's rounds, not the drain: the
+  moves finish shipping, what would need a step is given back, exit 0.
 - Control "stop": abort everything, exit 0. Bad options: exit 2. Any other fatal error: exit 1.
 Nothing from the wire can end the worker except Refused and "stop": a bad frame gets an Error back.
 """
@@ -365,8 +366,9 @@ class Worker:
 
     def _advance_group(self, group: GroupSync) -> None:
         """Enter the group's next round when anyone may have work (or to check the members while idle),
-        then run this rank's step, or a dummy forward, if anyone has work. A member that leaves ends the group:
-        this rank too, unless it drains (then its drain goes on without rounds: WorkerCore.group_left)."""
+        then run this rank's step, or a dummy forward, if anyone has work. A member that drains drains the group:
+        this rank drains too (WorkerCore.group_drains). A member that leaves ends the group: this rank too, unless
+        it drains (then its drain goes on without rounds: WorkerCore.group_left)."""
         now, core = time.monotonic(), self.core
         if core.group_gone:
             core.after_step(self.engine.take_pending(), now, refit=False)
@@ -380,17 +382,19 @@ class Worker:
         if not (group.active or woken):
             group.wake_peers()  # the peers are idle in their polls: bring them into this round
         try:
-            any_work, any_leaving = group.agree(has_work, self._leaving is not None)
+            agreed = group.agree(has_work, self._leaving is not None, core.draining)
         except GroupBroken as e:
             core.group_broken(str(e), time.monotonic())
         self._last_round = time.monotonic()
-        if any_leaving:
+        if agreed.draining and self._leaving is None:  # a mate drains (or this rank): the whole group drains
+            core.group_drains(time.monotonic())
+        if agreed.leaving:
             if self._leaving is not None:
                 return
             core.group_left(f"a member of EP group {core.group_id!r} left", time.monotonic())
             self.poller.unregister(group.wake_socket)  # no peer wakes this rank again
             return self._flush()
-        if any_work:
+        if agreed.work:
             # an EP group's engine is a real Engine (WorkerOptions refuses --benchmark-mode with --ep-size)
             engine = cast("Engine", self.engine)
             outputs = self._engine_step(engine.step if has_work else engine.dummy_step)
