@@ -31,12 +31,15 @@ POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding looks position p up at row
 
 
 class BartAttention(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, dtype: torch.dtype) -> None:
+    """q / k / v / out projections (transformers' names), 1/sqrt(head_dim) scaling; `k_bias` False: k without a bias
+    (Whisper's)."""
+
+    def __init__(self, d_model: int, num_heads: int, dtype: torch.dtype, k_bias: bool = True) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, d_model // num_heads
         self.scale = self.head_dim**-0.5
         self.q_proj = nn.Linear(d_model, d_model, dtype=dtype)
-        self.k_proj = nn.Linear(d_model, d_model, dtype=dtype)
+        self.k_proj = nn.Linear(d_model, d_model, bias=k_bias, dtype=dtype)
         self.v_proj = nn.Linear(d_model, d_model, dtype=dtype)
         self.out_proj = nn.Linear(d_model, d_model, dtype=dtype)
 
@@ -45,15 +48,18 @@ class BartAttention(nn.Module):
 
 
 class BartLayer(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, decoder: bool) -> None:
+    """One post-LN layer's modules: self-attention, (in the decoder) cross-attention, the MLP, each with its
+    LayerNorm. `k_bias`: as BartAttention's."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, decoder: bool, k_bias: bool = True) -> None:
         super().__init__()
         d = config.d_model
         heads = config.decoder_attention_heads if decoder else config.encoder_attention_heads
         ffn = config.decoder_ffn_dim if decoder else config.encoder_ffn_dim
-        self.self_attn = BartAttention(d, heads, dtype)
+        self.self_attn = BartAttention(d, heads, dtype, k_bias)
         self.self_attn_layer_norm = nn.LayerNorm(d, dtype=dtype)
         if decoder:
-            self.encoder_attn: BartAttention = BartAttention(d, heads, dtype)
+            self.encoder_attn: BartAttention = BartAttention(d, heads, dtype, k_bias)
             self.encoder_attn_layer_norm: nn.LayerNorm = nn.LayerNorm(d, dtype=dtype)
         self.fc1 = nn.Linear(d, ffn, dtype=dtype)
         self.fc2 = nn.Linear(ffn, d, dtype=dtype)

@@ -27,40 +27,14 @@ from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.engine.attention import paged_attention
 from infer.worker.engine.encoder_decoder import cross_attention, dense_attention, write_cross_kv
 from infer.worker.engine.forward_batch import ForwardBatch, KVCache
-from infer.worker.models.t5 import activation
+from infer.worker.models.bart import BartLayer
 
 
-class WhisperAttention(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, d_model // num_heads
-        self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(d_model, d_model, dtype=dtype)
-        self.k_proj = nn.Linear(d_model, d_model, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(d_model, d_model, dtype=dtype)
-        self.out_proj = nn.Linear(d_model, d_model, dtype=dtype)
-
-    def heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(x.shape[0], self.num_heads, self.head_dim)
-
-
-class WhisperLayer(nn.Module):
-    """One pre-LN layer: self-attention, (in the decoder) cross-attention, the MLP, each a residual branch."""
+class WhisperLayer(BartLayer):
+    """BART's layer modules (k without a bias), pre-LN: each residual branch normalizes its input."""
 
     def __init__(self, config: Any, dtype: torch.dtype, decoder: bool) -> None:
-        super().__init__()
-        d = config.d_model
-        heads = config.decoder_attention_heads if decoder else config.encoder_attention_heads
-        ffn = config.decoder_ffn_dim if decoder else config.encoder_ffn_dim
-        self.self_attn = WhisperAttention(d, heads, dtype)
-        self.self_attn_layer_norm = nn.LayerNorm(d, dtype=dtype)
-        if decoder:
-            self.encoder_attn: WhisperAttention = WhisperAttention(d, heads, dtype)
-            self.encoder_attn_layer_norm: nn.LayerNorm = nn.LayerNorm(d, dtype=dtype)
-        self.fc1 = nn.Linear(d, ffn, dtype=dtype)
-        self.fc2 = nn.Linear(ffn, d, dtype=dtype)
-        self.final_layer_norm = nn.LayerNorm(d, dtype=dtype)
-        self.act = activation(config.activation_function)
+        super().__init__(config, dtype, decoder, k_bias=False)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.fc2(self.act(self.fc1(self.final_layer_norm(h))))
