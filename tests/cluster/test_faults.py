@@ -143,6 +143,7 @@ asyncio.run(main())
 async def test_kill_9_of_a_client_frees_its_blocks_within_5_s(model_cluster, wait_until):
     cluster = model_cluster(
         workers=2,
+        coordinator_flags=("--client-timeout", "1.5"),
         engine_flags=(
             "--dtype",
             "float32",

@@ -65,7 +65,7 @@ async def _lines_of(proc, marker: str, timeout: float, wait_until) -> None:
 
 async def test_a_client_stopped_past_the_client_timeout_reattaches_and_completes(cluster_factory, wait_until):
     cluster = cluster_factory()
-    cluster.coordinator()  # --client-timeout 1.5
+    cluster.coordinator("--client-timeout", "1.5")
     cluster.worker(0, "--benchmark-step-time", "0.02", benchmark=True)
     n = 400  # ~8 s of steps
     async with cluster.client() as observer:
