@@ -44,7 +44,7 @@ def test_the_index_chooses_what_the_scan_chooses_through_random_changes(seed):
     def has_room(w: WorkerRecord) -> bool:
         return len(w.requests) < limit[id(w)]
 
-    index = LoadIndex()
+    index = LoadIndex(min_workers=1)
     index.rebuild(routable)
     next_request = 0
     for _ in range(400):
@@ -75,7 +75,7 @@ def test_the_index_chooses_what_the_scan_chooses_through_random_changes(seed):
 
 def test_superseded_entries_are_dropped_so_the_heap_stays_bounded():
     workers = [record(i) for i in range(8)]
-    index = LoadIndex()
+    index = LoadIndex(min_workers=1)
     index.rebuild(workers)
     rng = random.Random(7)
     for _ in range(5000):
@@ -90,7 +90,7 @@ def test_a_model_with_an_ep_group_of_several_ranks_is_left_to_the_scan():
     """The scan's first key there is the group's busiest rank: the index does not decide for that model."""
     grouped = [record(0, group="g"), record(1, group="g"), record(2, group="h")]
     single = [record(3, model="solo")]
-    index = LoadIndex()
+    index = LoadIndex(min_workers=1)
     index.rebuild(grouped + single)
     assert not index.indexed("m") and index.best("m", lambda w: True) is None
     assert index.members("m") == grouped
@@ -129,3 +129,13 @@ def test_the_core_routes_every_submit_to_the_scans_choice_through_reports_and_fi
         else:  # every worker at its limit: refused at once as overloaded
             (refused,) = [m for _, m in out if isinstance(m, Error)]
             assert refused.code == "overloaded" and h.core.requests.get(f"r{n}") is None
+
+
+def test_a_model_of_few_workers_is_left_to_the_scan():
+    """Below `min_workers` routable workers (the default, 8) the scan is cheaper than the heaps: not indexed, its
+    members still known; from that many on, indexed."""
+    few, many = [record(i) for i in range(7)], [record(i, model="n") for i in range(7, 15)]
+    index = LoadIndex()
+    index.rebuild(few + many)
+    assert not index.indexed("m") and index.members("m") == few and index.best("m", lambda w: True) is None
+    assert index.indexed("n") and index.best("n", lambda w: True) in many

@@ -10,6 +10,11 @@ entry whose worker's key has changed without a touch is re-filed at its current 
 raise costs a re-push, never a wrong choice; a key may only fall through `touch`, which every place that can lower
 it calls (books.Books.detach, relay / liveness on a load report).
 
+A model with fewer than `min_workers` (8) routable workers is not indexed either: there the scan costs less than
+keeping the heaps, which every dispatch and load report re-files (at 2 workers the index took ~8% of the
+coordinator's CPU a one-token request in benchmarks/coordinator_overhead.py; a scan of 8 costs ~12 us on an
+Intel Xeon core, the heaps ~3-4 us and their upkeep).
+
 The answer is the scan's answer, exactly (tests/coordinator/test_load_index.py checks it against `least_loaded` over
 random operation sequences). A model with an EP group of more than one rank is not indexed (`best` answers None):
 the scan's first key there is the group's busiest rank, which changes with every member's report.
@@ -24,6 +29,7 @@ from collections.abc import Callable, Iterable
 from infer.coordinator.state import WorkerRecord
 
 Key = tuple[float, int, int]  # score, requests in flight, dp_rank: least_loaded's order for groups of one rank
+MIN_INDEXED_WORKERS = 8  # below this many routable workers of a model, the scan decides (cheaper there)
 
 
 def key_of(worker: WorkerRecord) -> Key:
@@ -33,7 +39,8 @@ def key_of(worker: WorkerRecord) -> Key:
 class LoadIndex:
     """Per model, the routable workers in least-loaded order (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_workers: int = MIN_INDEXED_WORKERS) -> None:
+        self.min_workers = min_workers
         self._heaps: dict[str, list[tuple[Key, int, WorkerRecord]]] = {}
         self._live: dict[int, int] = {}  # id(worker) -> the sequence number of its live entry
         self._members: dict[str, list[WorkerRecord]] = {}
@@ -47,6 +54,8 @@ class LoadIndex:
         for worker in routable:
             self._members.setdefault(worker.model_id, []).append(worker)
         for model, workers in self._members.items():
+            if len(workers) < self.min_workers:
+                continue  # few workers: the scan decides for this model
             groups = {w.group_id for w in workers}
             if len(groups) < len(workers):
                 continue  # an EP group of several ranks: the scan decides for this model
