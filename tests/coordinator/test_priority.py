@@ -97,6 +97,25 @@ def test_a_full_held_queue_sheds_its_worst_priority_for_a_better_newcomer():
     assert [d.request_id for d in _of(out, Dispatch)] == ["best", "mid"]
 
 
+def test_the_held_queue_knows_its_worst_priority_through_holds_sheds_and_dispatches():
+    """A full queue refuses a newcomer that could shed nobody from its count of priorities, without a scan: that
+    count follows every hold, shed and dispatch."""
+    h = Harness(max_held_requests=3)
+    held = h.core.books.requests
+    assert held.worst_held_priority() is None
+    for rid, priority in [("a", 2), ("b", 5), ("c", 5)]:
+        assert not submit(h, rid, priority)
+    assert held.worst_held_priority() == 5
+    submit(h, "d", 1)  # sheds c, the newest of the worst
+    submit(h, "e", 1)  # sheds b
+    assert held.worst_held_priority() == 2 and sorted(held.held) == ["a", "d", "e"]
+    refused = _of(submit(h, "f", 2), Error)  # no better than the worst held: refused itself
+    assert refused[0].code == "overloaded" and held.worst_held_priority() == 2
+    out = h.worker("w0", 0)
+    assert sorted(d.request_id for d in _of(out, Dispatch)) == ["a", "d", "e"]
+    assert held.worst_held_priority() is None and not held.held
+
+
 def test_prompt_logprobs_of_the_first_delta_reach_the_client():
     h = Harness()
     h.worker("w0", 0)

@@ -186,6 +186,9 @@ class Admission:
         limit = self.config.max_held_requests
         if len(self.books.requests.held) < limit:
             return None
+        worst = self.books.requests.worst_held_priority()
+        if worst is not None and worst <= submit.spec.priority:  # nobody to shed: refused without a scan
+            return self._overloaded_held(limit)
         fresh = [r for r in self.books.requests.held.values() if not r.num_delivered]
         victim = max(reversed(fresh), key=lambda r: r.priority, default=None)  # the newest of the worst
         if victim is not None and victim.priority > submit.spec.priority:
@@ -197,6 +200,9 @@ class Admission:
                 code="overloaded",
             )
             return None
+        return self._overloaded_held(limit)
+
+    def _overloaded_held(self, limit: int) -> str:
         return (
             f"the cluster is overloaded: {len(self.books.requests.held)} requests already wait in the "
             f"coordinator (the limit, --max-held-requests {limit}); retry later"

@@ -16,7 +16,7 @@ Invariants (kept by coordinator/books.py):
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
@@ -337,6 +337,8 @@ class RequestTable:
     def __init__(self) -> None:
         self.by_id: dict[str, RequestRecord] = {}
         self.held: OrderedDict[str, RequestRecord] = OrderedDict()
+        self._held_priority: dict[str, int] = {}  # each held request's priority as counted in _held_priorities
+        self._held_priorities: Counter[int] = Counter()  # how many held requests have each priority
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -351,15 +353,32 @@ class RequestTable:
         request.worker_id = None
         if request.held_since is None:
             request.held_since = now
-        self.held[request.request_id] = request
+        rid = request.request_id
+        if rid not in self._held_priority:
+            self._held_priority[rid] = request.priority
+            self._held_priorities[request.priority] += 1
+        self.held[rid] = request
 
     def unhold(self, request: RequestRecord) -> None:
-        self.held.pop(request.request_id, None)
+        self._release(request.request_id)
         request.held_since = None
 
     def remove(self, request: RequestRecord) -> None:
         self.by_id.pop(request.request_id, None)
-        self.held.pop(request.request_id, None)
+        self._release(request.request_id)
+
+    def worst_held_priority(self) -> int | None:
+        """The largest priority (the least urgent) among the held requests, None when none is held: O(distinct
+        priorities), so that a full queue refuses a newcomer that could shed nobody without a scan of the queue."""
+        return max(self._held_priorities, default=None)
+
+    def _release(self, rid: str) -> None:
+        self.held.pop(rid, None)
+        priority = self._held_priority.pop(rid, None)
+        if priority is not None:
+            self._held_priorities[priority] -= 1
+            if not self._held_priorities[priority]:
+                del self._held_priorities[priority]
 
     @property
     def num_in_flight(self) -> int:
