@@ -337,8 +337,7 @@ class RequestTable:
     def __init__(self) -> None:
         self.by_id: dict[str, RequestRecord] = {}
         self.held: OrderedDict[str, RequestRecord] = OrderedDict()
-        self._held_priority: dict[str, int] = {}  # each held request's priority as counted in _held_priorities
-        self._held_priorities: Counter[int] = Counter()  # how many held requests have each priority
+        self._held_priorities: Counter[int] = Counter()  # how many held requests have each priority (fixed per request)
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -353,11 +352,9 @@ class RequestTable:
         request.worker_id = None
         if request.held_since is None:
             request.held_since = now
-        rid = request.request_id
-        if rid not in self._held_priority:
-            self._held_priority[rid] = request.priority
+        if request.request_id not in self.held:
             self._held_priorities[request.priority] += 1
-        self.held[rid] = request
+        self.held[request.request_id] = request
 
     def unhold(self, request: RequestRecord) -> None:
         self._release(request.request_id)
@@ -373,12 +370,11 @@ class RequestTable:
         return max(self._held_priorities, default=None)
 
     def _release(self, rid: str) -> None:
-        self.held.pop(rid, None)
-        priority = self._held_priority.pop(rid, None)
-        if priority is not None:
-            self._held_priorities[priority] -= 1
-            if not self._held_priorities[priority]:
-                del self._held_priorities[priority]
+        request = self.held.pop(rid, None)
+        if request is not None:
+            self._held_priorities[request.priority] -= 1
+            if not self._held_priorities[request.priority]:
+                del self._held_priorities[request.priority]
 
     @property
     def num_in_flight(self) -> int:
