@@ -2,8 +2,8 @@
 tests/gemma3_vision_models.py's tiny Gemma 3, tests/idefics3_models.py's tiny Idefics3): kill -9 of the worker streaming
 an image request ends it exactly as direct mode does, on the other worker, which decodes and encodes the image again
 (Qwen2-VL: and gives the resumed tokens their M-RoPE positions again; Gemma 3: its image's two-way attention again;
-Idefics3: its tiles cut and placed again; LLaVA's fixed-size images take no path of their own there, so it is not run
-again); `infer-serve` with 2 workers (LLaVA, Gemma 3) answers the official `openai` client's chat with a base64 data:
+Idefics3: its tiles cut and placed again; LLaVA-NeXT: its grid chosen from the image's size and its tiles encoded
+again; LLaVA-1.5's fixed-size images take no path of their own there, so it is not run again); `infer-serve` with 2 workers (LLaVA, Gemma 3) answers the official `openai` client's chat with a base64 data:
 URL image with direct mode's greedy text (Gemma 3: for the chat prompt as its processor renders and expands it), and
 answers hostile images with a 400 naming what is wrong while it keeps serving."""
 
@@ -40,29 +40,37 @@ def gemma3(tmp_path_factory, smollm2_tokenizer):
     return gemma3_vision_checkpoint(tmp_path_factory.mktemp("gemma3"), smollm2_tokenizer)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3", "idefics3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3", "idefics3", "llava_next"])
 def family(request, tmp_path_factory, smollm2_tokenizer):
-    """(checkpoint, a long-story prompt with one image) of the vision families whose resumed request differs."""
+    """(checkpoint, a long-story prompt with one image, the image) of the vision families whose resumed request
+    differs."""
     if request.param == "gemma3":
-        return request.getfixturevalue("gemma3"), f"Tell me a long story about it:{BOI}"
+        return request.getfixturevalue("gemma3"), f"Tell me a long story about it:{BOI}", IMAGE
     if request.param == "idefics3":
         from idefics3_models import idefics3_checkpoint
 
         path = idefics3_checkpoint(tmp_path_factory.mktemp("idefics3"), smollm2_tokenizer)
-        return path, f"Tell me a long story about it:{IMAGE_TOKEN}"
+        return path, f"Tell me a long story about it:{IMAGE_TOKEN}", IMAGE
+    if request.param == "llava_next":
+        from llava_next_models import llava_next_checkpoint
+
+        path = llava_next_checkpoint(tmp_path_factory.mktemp("llava_next"), smollm2_tokenizer)
+        # A tall image: a grid of 2x1 tiles, 40 of its tokens, so that the prompt and LONG's tokens fit the context.
+        return path, f"Tell me a long story about it:{IMAGE_TOKEN}", png(20, 60, seed=3)
     from qwen2_vl_models import IMAGE as QWEN_IMAGE
     from qwen2_vl_models import qwen2_vl_checkpoint
 
     path = qwen2_vl_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), smollm2_tokenizer)
-    return path, f"User: {QWEN_IMAGE}\nTell me a long story about it. Assistant:"
+    return path, f"User: {QWEN_IMAGE}\nTell me a long story about it. Assistant:", IMAGE
 
 
 @pytest.fixture(scope="module")
 def long_stream(family):
     """Direct mode's answer to the family's long prompt."""
-    llm = LLM(model=str(family[0]), **ENGINE)
+    path, prompt, image = family
+    llm = LLM(model=str(path), **ENGINE)
     try:
-        return llm.generate({"prompt": family[1], "multi_modal_data": {"image": IMAGE}}, LONG, use_tqdm=False)[0]
+        return llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, LONG, use_tqdm=False)[0]
     finally:
         llm.close()
 
@@ -110,12 +118,14 @@ def direct(chat_model):
 
 async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, family, long_stream):
     want = long_stream
-    cluster = model_cluster(workers=2, model=family[0])
-    prompt = {"prompt": family[1], "multi_modal_data": {"image": IMAGE}}
+    path, text, image = family
+    cluster = model_cluster(workers=2, model=path)
+    prompt = {"prompt": text, "multi_modal_data": {"image": image}}
     (stream,), stats = await streams_through_a_fault(
         cluster, [prompt], LONG, lambda client: kill9_the_busiest_worker(cluster, client), finish_timeout=240
     )
     assert stats.requests_redispatched == 1
+    assert want.finish_reason == "length" and len(want.token_ids) == LONG.max_tokens
     assert [t for delta in stream for t in delta.token_ids] == want.token_ids
 
 
