@@ -347,13 +347,15 @@ def _collect_logprobs(engine, params):
 
 
 @pytest.mark.parametrize("prepack", [None, True, False, "yes"])
-def test_cpu_weight_prepack_keeps_a_packed_copy_only_when_asked(tiny_model_dir, prepack):
+def test_cpu_weight_prepack_keeps_a_packed_copy_only_when_asked(tiny_model_dir, prepack, caplog):
     """A bf16 engine on a CPU with a native GEMV keeps one copy of its dense linear weights (the packed twin only on
     AMX-BF16, by default); --cpu-weight-prepack keeps oneDNN's packed copy beside them (twice the weights' bytes),
-    and it survives a re-pack (a refit); anything but a bool or None is refused by name."""
+    and it survives a re-pack (a refit), where oneDNN packs bf16 (AVX-512 or AVX-NE-CONVERT: on an AVX2-only CPU the
+    option keeps one copy, with a warning); anything but a bool or None is refused by name."""
     from infer.kernels.cpu_kernels import amx_bf16, gemv_paths
     from infer.worker.loading.loader import pack_weights
     from infer.worker.loading.weights import packed_bytes
+    from infer.worker.models.layers import onednn_packs_bf16
 
     options = dict(model=str(tiny_model_dir("llama")), dtype="bfloat16", max_model_len=128, kv_cache_memory=4 << 20)
     if prepack == "yes":
@@ -364,7 +366,8 @@ def test_cpu_weight_prepack_keeps_a_packed_copy_only_when_asked(tiny_model_dir, 
         pytest.skip("no native GEMV or no oneDNN: the linears keep oneDNN's copy whatever the option")
     engine = Engine(EngineConfig.from_options(**options, cpu_weight_prepack=prepack))
     try:
-        twin = amx_bf16() if prepack is None else prepack
+        twin = (amx_bf16() if prepack is None else prepack) and onednn_packs_bf16()
+        assert ("--cpu-weight-prepack has no effect on this CPU" in caplog.text) == bool(prepack and not twin)
         assert (packed_bytes(engine.model) > 0) == twin
         pack_weights(engine.model)
         assert (packed_bytes(engine.model) > 0) == twin

@@ -26,7 +26,15 @@ from infer.worker.loading.fp8 import FP8_DTYPES, Fp8Scheme, fp8_scheme_of, group
 from infer.worker.loading.gguf import close_gguf_files
 from infer.worker.loading.model_config import read_model_config
 from infer.worker.loading.model_files import GGUF_WEIGHTS, validate_model_dir
-from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, RMSNorm, VocabEmbedding, deferred_weights
+from infer.worker.models.layers import (
+    LMHead,
+    PackedLinear,
+    QuantStorage,
+    RMSNorm,
+    VocabEmbedding,
+    deferred_weights,
+    onednn_packs_bf16,
+)
 from infer.worker.models.moe import ExpertShard
 from infer.worker.models.registry import model_class
 
@@ -224,6 +232,12 @@ def set_weight_prepack(model: Any, prepack: bool | None) -> None:
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if all(m.prepack is prepack for m in linears):
         return
+    if prepack and any(m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu" for m in linears):
+        if not onednn_packs_bf16():
+            logger.warning(
+                "--cpu-weight-prepack has no effect on this CPU: oneDNN packs bf16 weights only with avx512bw, "
+                "avx512vl and avx512dq, or avx_ne_convert; the bf16 linears keep their one copy"
+            )
     for module in linears:
         module.prepack = prepack
     pack_weights(model)

@@ -307,6 +307,12 @@ def _(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN pre-packs bf16 weights on this CPU (it needs avx512bw, avx512vl and avx512dq, or
+    avx_ne_convert; elsewhere `_pack_for_cpu` gives None for a bf16 weight)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked layout of `weight` for CPU matmuls, or None where that path does not apply."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
