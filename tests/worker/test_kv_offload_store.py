@@ -190,6 +190,15 @@ def test_the_directory_and_the_bound_are_checked(tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
+        ({"kv_offload_host_gb": 0}, "kv_offload_host_gb must be a number of GiB > 0"),
+        ({"kv_offload_host_gb": -2}, "kv_offload_host_gb must be a number of GiB > 0"),
+        ({"kv_offload_host_gb": "4"}, "kv_offload_host_gb must be a number of GiB > 0"),
+        ({"kv_offload_host_gb": float("nan")}, "kv_offload_host_gb must be a number of GiB > 0"),
+        ({"kv_offload_host_gb": True}, "kv_offload_host_gb must be a number of GiB > 0"),
+        (
+            {"kv_offload_host_gb": 1, "enable_prefix_caching": False},
+            "kv_offload_host_gb .* needs enable_prefix_caching",
+        ),
         ({"kv_offload_dir": "/tmp", "kv_offload_gb": 0}, "kv_offload_gb must be a number of GiB > 0"),
         ({"kv_offload_dir": "/tmp", "kv_offload_gb": -1.5}, "kv_offload_gb must be a number of GiB > 0"),
         ({"kv_offload_dir": "/tmp"}, "go together"),
@@ -202,6 +211,9 @@ def test_the_engine_options_are_validated(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
     assert EngineConfig(kv_offload_dir="/tmp", kv_offload_gb=0.5).kv_offload_bytes == 1 << 29
+    assert EngineConfig(kv_offload_host_gb=0.25).kv_offload_host_bytes == 1 << 28
+    both = EngineConfig(kv_offload_host_gb=2, kv_offload_dir="/tmp", kv_offload_gb=8)
+    assert (both.kv_offload_host_bytes, both.kv_offload_bytes) == (2 << 30, 8 << 30)
 
 
 def test_the_flags_parse_and_survive_argv(tmp_path):
@@ -211,6 +223,17 @@ def test_the_flags_parse_and_survive_argv(tmp_path):
     config = EngineConfig.from_options(**given(EngineConfig, args))
     assert (config.kv_offload_dir, config.kv_offload_gb) == (str(tmp_path), 2.5)
     assert to_argv(EngineConfig, config) == ["--kv-offload-dir", str(tmp_path), "--kv-offload-gb", "2.5"]
+
+
+@pytest.mark.parametrize("flag", ["--kv-offload-host-gb", "--kv-offloading-size"])  # ours, vLLM's
+def test_the_host_tier_flag_parses_and_survives_argv(flag):
+    parser = argparse.ArgumentParser()
+    add_options(parser, EngineConfig)
+    config = EngineConfig.from_options(**given(EngineConfig, parser.parse_args([flag, "1.5"])))
+    assert config.kv_offload_host_gb == 1.5
+    assert to_argv(EngineConfig, config) == ["--kv-offload-host-gb", "1.5"]
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, "lots"])
 
 
 # ---- HostStore ----------------------------------------------------------------------------------
