@@ -236,6 +236,7 @@ class KvOffload:
         ids: list[int] = []
         slots: list[int] = []
         kept: list[tuple[int, bytes]] = []
+        moved: list[Departed] = []
         seen: set[int] = set()
         for block_id, block_hash, digest in evicted:
             if host.holds(block_hash) or block_hash in seen:
@@ -248,7 +249,7 @@ class KvOffload:
                 continue
             slot, departed = taken
             if departed is not None:
-                self._move_down(host, departed)
+                moved.append(departed)
             ids.append(block_id)
             slots.append(slot)
             kept.append((block_hash, digest))
@@ -258,6 +259,8 @@ class KvOffload:
                 torch.cuda.current_stream(self.kv.k[0].device).synchronize()  # the checksums read the copies
         for (block_hash, digest), slot in zip(kept, slots, strict=True):
             host.put(block_hash, digest, slot)
+        for departed in moved:  # after the copies: the disk's writer starts once the step's part is done
+            self._move_down(host, departed)
         return rest, len(ids)
 
     def _move_down(self, host: HostStore, departed: Departed) -> None:
