@@ -246,9 +246,10 @@ def host_of(slots: int) -> tuple[HostStore, bytearray]:
     return HostStore(slots, lambda slot: view[slot * BLOCK : (slot + 1) * BLOCK]), memory
 
 
-def host_put(store: HostStore, memory: bytearray, i: int, keep_departed: bool = True):
-    """Copy block `i` in as the engine does (take a slot, write it, put); returns the block pushed out, if any."""
-    taken = store.take_slot(keep_departed)
+def host_put(store: HostStore, memory: bytearray, i: int, below: bool = True):
+    """Copy block `i` in as the engine does (take a slot, write it, put); returns the block pushed out, if any
+    (`below`: the tier below wants it)."""
+    taken = store.take_slot(lambda block_hash: below)
     assert taken is not None
     slot, departed = taken
     memory[slot * BLOCK : (slot + 1) * BLOCK] = payload(i)
@@ -264,11 +265,13 @@ def test_host_blocks_load_back_and_the_least_recently_used_leaves_with_its_paylo
     departed = host_put(store, memory, 3)
     assert (departed.block_hash, departed.digest, departed.payload) == (2, digest(2), payload(2))
     assert store.hashes() == [1, 3] and not store.holds(2)
-    assert host_put(store, memory, 4, keep_departed=False).payload is None  # no disk below: not copied
+    assert host_put(store, memory, 4, below=False).payload is None  # no disk below (or it has it): not copied
     assert store.take_changes() == [(1, True), (2, True), (2, False), (3, True), (1, False), (4, True)]
     assert (store.counters.spilled, store.counters.loaded, store.counters.corrupt) == (4, 1, 0)
     assert store.clear() == 2 and len(store) == 0 and store.take_changes() == []
-    assert all(store.take_slot(True) is not None for _ in range(2)) and store.take_slot(True) is None
+    assert (
+        all(store.take_slot(lambda h: True) is not None for _ in range(2)) and store.take_slot(lambda h: True) is None
+    )
 
 
 def test_a_corrupt_host_entry_is_rejected_forgotten_and_counted():

@@ -50,7 +50,7 @@ class HostEntry:
 @dataclass(frozen=True)
 class Departed:
     """A block `take_slot` pushed out of the tier: its payload (a copy, checked against its checksum) when the
-    caller asked for it and it passed; None otherwise (not asked for, or corrupt: counted)."""
+    caller wanted it and it passed; None otherwise (not wanted, or corrupt: counted)."""
 
     block_hash: int
     digest: bytes
@@ -79,10 +79,10 @@ class HostStore:
     def __len__(self) -> int:
         return len(self._index)
 
-    def take_slot(self, keep_departed: bool) -> tuple[int, Departed | None] | None:
+    def take_slot(self, wanted_below: Callable[[int], bool]) -> tuple[int, Departed | None] | None:
         """A slot for a new block: a free one, else the least recently used entry's, whose block is returned as
-        `Departed` (`keep_departed`: with its payload copied out and checked). None: every slot is taken and not
-        yet filled (the caller drops the block)."""
+        `Departed` (with its payload copied out and checked when `wanted_below(its hash)`: the tier below takes it
+        and lacks it). None: every slot is taken and not yet filled (the caller drops the block)."""
         if self._free:
             return self._free.pop(), None
         if not self._index:
@@ -90,7 +90,7 @@ class HostStore:
         block_hash, entry = self._index.popitem(last=False)
         self._changes.append((block_hash, False))
         payload = None
-        if keep_departed:
+        if wanted_below(block_hash):
             payload = bytes(self._read(entry.slot))
             if payload_checksum(payload) != entry.checksum:
                 self._count_corrupt(block_hash, "checksum mismatch on its way to disk")

@@ -242,7 +242,7 @@ class KvOffload:
             if host.holds(block_hash) or block_hash in seen:
                 continue
             seen.add(block_hash)
-            taken = host.take_slot(keep_departed=self.store is not None)
+            taken = host.take_slot(self._wanted_on_disk)
             if taken is None:  # every slot is being filled by this spill: the disk's, or dropped
                 rest.append((block_id, block_hash, digest))
                 host.counters.dropped += self.store is None
@@ -263,11 +263,16 @@ class KvOffload:
             self._move_down(host, departed)
         return rest, len(ids)
 
+    def _wanted_on_disk(self, block_hash: int) -> bool:
+        """Whether a block pushed out of the host tier is to be copied down: there is a disk tier, and it lacks it."""
+        return self.store is not None and not self.store.holds(block_hash)
+
     def _move_down(self, host: HostStore, departed: Departed) -> None:
-        """A block pushed out of the host tier: to the disk's writer queue (it stays held), else dropped."""
+        """A block pushed out of the host tier: to the disk's writer queue (it stays held), else dropped (no disk
+        tier; with one, a block it holds already needs no copy, and a corrupt one was counted by the host store)."""
         if self.store is None:
             host.counters.dropped += 1
-        elif departed.payload is not None:  # None: corrupt (counted by the host store)
+        elif departed.payload is not None:
             payload = departed.payload
             self.store.spill(departed.block_hash, departed.digest, lambda: payload)
 
