@@ -351,7 +351,23 @@ def test_suspend_keeps_the_host_tier_and_new_weights_clear_it(tiny_model_dir, ba
 
 
 def test_the_host_tier_is_refused_where_the_disk_tier_is():
+    from infer.worker.distributed.tensor_parallel import TensorParallel
     from infer.worker.engine.encoder_decoder import refusals
+    from infer.worker.engine.engine import _check_kv_offload
 
     config = EngineConfig(kv_offload_host_gb=1)
     assert any("kv_offload_host_gb" in r for r in refusals(config, tp_size=1, pipeline=False, ep_size=1))
+    with pytest.raises(ValueError, match="^kv_offload_host_gb: not supported with tensor or pipeline parallelism"):
+        _check_kv_offload(config, None, TensorParallel(rank=0, size=2), None)
+    _check_kv_offload(config, object(), TensorParallel.single(), None)  # a model built in memory: fine
+
+
+def test_a_host_tier_smaller_than_one_block_is_refused():
+    from infer.worker.engine.block_manager import BlockManager
+    from infer.worker.kv.offload import KvOffload
+
+    kv = KVCache([torch.zeros(2, POOL_BLOCKS + 1, BS, 16)] * 2, [torch.zeros(2, POOL_BLOCKS + 1, BS, 16)] * 2)
+    blocks = BlockManager(POOL_BLOCKS, BS, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match=f"kv_offload_host_gb holds no block: {BLOCK_BYTES - 1} bytes"):
+        KvOffload.open(kv, blocks, host_bytes=BLOCK_BYTES - 1)
+    assert KvOffload.open(kv, blocks, host_bytes=3 * BLOCK_BYTES + 5).host.num_slots == 3

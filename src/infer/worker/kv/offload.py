@@ -77,12 +77,13 @@ class HostTier:
         num_slots = max_bytes // block_bytes
         if num_slots < 1:
             raise ValueError(f"kv_offload_host_gb holds no block: {max_bytes} bytes, one block takes {block_bytes}")
-        self.buffer = torch.empty((num_slots, *kv.block_shape), dtype=kv.k[0].dtype, pin_memory=device.type == "cuda")
+        pinned = device.type == "cuda"  # asked of the device, not of the buffer: is_pinned() would start CUDA
+        self.buffer = torch.empty((num_slots, *kv.block_shape), dtype=kv.k[0].dtype, pin_memory=pinned)
         raw = memoryview(self.buffer.view(-1).view(torch.uint8).numpy().data)  # the buffer's bytes, not a copy
         self.store = HostStore(num_slots, lambda slot: raw[slot * block_bytes : (slot + 1) * block_bytes])
         log.info(
             "KV offload: blocks spill to host memory%s, %d blocks (%d bytes)",
-            " (pinned)" if self.buffer.is_pinned() else "",
+            " (pinned)" if pinned else "",
             num_slots,
             num_slots * block_bytes,
         )
