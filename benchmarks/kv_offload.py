@@ -1,6 +1,6 @@
-"""The KV tier beyond the pool (issue 45 item 3): a multi-turn chat workload on one engine whose KV pool is too small
-for the working set, with the disk tier (--kv-offload-dir) against without it, and a pool that holds everything as
-the ceiling.
+"""The KV tiers beyond the pool: a multi-turn chat workload on one engine whose KV pool is too small for the working
+set, with the disk tier (--kv-offload-dir), with the host-memory tier (--kv-offload-host-gb) and without either, and
+a pool that holds everything as the ceiling.
 
 Workload (fixed seed): `--conversations` conversations (12) of `--turns` turns (4); a turn of every conversation is
 submitted at once, the next when all of its answers are in. A shared 32-token system prefix, a `--first` (192) token
@@ -12,10 +12,10 @@ the runs, whose prefill chunks differ).
 
 Reported per run: prefix-cache hit rate (prompt tokens served from the pool, including the blocks read back from
 disk / prompt tokens looked up), prompt tokens prefilled, TTFT (add_request -> first token, in-process, queueing
-included) p50 / p99, wall time, the tier's counters, the machine's load average around the run (the dev machine is
-shared); and whether every answer equals the big pool's. `--tier-first` swaps the order of the first two runs.
+included) p50 / p99, wall time, the tiers' counters, the machine's load average around the run (the dev machine is
+shared); and whether every answer equals the big pool's. `--tier-first` runs the tiers before the run without one.
 
-    .venv/bin/python benchmarks/kv_offload.py [--conversations 12] [--turns 4] [--pool-blocks 160]
+    .venv/bin/python benchmarks/kv_offload.py [--conversations 12] [--turns 4] [--pool-blocks 160] [--host-gb 2]
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def workload(args: argparse.Namespace) -> list[list[list[int]]]:
     return conversations
 
 
-def run(name: str, args: argparse.Namespace, pool_blocks: int, offload_dir: str | None) -> dict:
+def run(name: str, args: argparse.Namespace, pool_blocks: int, offload: dict) -> dict:
+    """One run of the workload; `offload`: the engine's KV tier options (none: {})."""
     block_bytes = 2 * 30 * 3 * 64 * 16 * 4  # SmolLM2-135M: 30 layers, 3 KV heads of 64, 16-token blocks, float32
-    offload = {} if offload_dir is None else {"kv_offload_dir": offload_dir, "kv_offload_gb": args.offload_gb}
     engine = Engine(
         EngineConfig(
             dtype="float32",
@@ -108,6 +108,10 @@ def run(name: str, args: argparse.Namespace, pool_blocks: int, offload_dir: str 
         "loaded_blocks": load.kv_offload_loaded_blocks,
         "dropped_blocks": load.kv_offload_dropped_blocks,
         "corrupt_blocks": load.kv_offload_corrupt_blocks,
+        "host_spilled_blocks": load.kv_offload_host_spilled_blocks,
+        "host_loaded_blocks": load.kv_offload_host_loaded_blocks,
+        "host_dropped_blocks": load.kv_offload_host_dropped_blocks,
+        "host_corrupt_blocks": load.kv_offload_host_corrupt_blocks,
         "answers": answers,
     }
 
@@ -119,20 +123,23 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=192, help="tokens of each conversation's first user message")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--pool-blocks", type=int, default=160, help="the small pool, in 16-token blocks")
-    parser.add_argument("--offload-gb", type=float, default=2.0)
+    parser.add_argument("--offload-gb", type=float, default=2.0, help="the disk tier's bound")
+    parser.add_argument("--host-gb", type=float, default=2.0, help="the host-memory tier's bound")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--tier-first", action="store_true", help="run the tier before the run without it")
+    parser.add_argument("--tier-first", action="store_true", help="run the tiers before the run without one")
     args = parser.parse_args()
     working_set = args.conversations * (32 + args.first + (args.turns - 1) * 48 + args.turns * 16) // 16 + 1
     results = []
     with tempfile.TemporaryDirectory(prefix="kv-offload-bench-") as directory:
-        runs = [
-            ("small pool, no tier", args.pool_blocks, None),
-            ("small pool + disk tier", args.pool_blocks, directory),
-            ("pool holding everything", working_set + 64 * args.max_num_seqs, None),
+        disk = {"kv_offload_dir": directory, "kv_offload_gb": args.offload_gb}
+        runs: list[tuple[str, int, dict]] = [
+            ("small pool, no tier", args.pool_blocks, {}),
+            ("small pool + disk tier", args.pool_blocks, disk),
+            ("small pool + host tier", args.pool_blocks, {"kv_offload_host_gb": args.host_gb}),
+            ("pool holding everything", working_set + 64 * args.max_num_seqs, {}),
         ]
         if args.tier_first:
-            runs[:2] = runs[1::-1]
+            runs[:3] = [*runs[1:3], runs[0]]
         for name, blocks, offload in runs:
             results.append(run(name, args, blocks, offload))
             print(f"  {name}: done in {results[-1]['wall_s']:.1f} s", file=sys.stderr)
@@ -140,22 +147,25 @@ def main() -> None:
     print(f"working set ~{working_set} blocks; {args.conversations} conversations x {args.turns} turns")
     print(
         f"{'run':26} {'pool':>5} {'hit rate':>8} {'prefilled':>9} {'TTFT p50':>9} {'p99':>8} {'wall':>7} "
-        f"{'spilled':>7} {'loaded':>6} {'same':>5}"
+        f"{'spilled':>7} {'loaded':>6} {'same':>5}  (spilled / loaded: disk + host)"
     )
     for r in results:
         r["answers_equal_reference"] = r.pop("answers") == reference
         print(
             f"{r['run']:26} {r['pool_blocks']:>5} {r['hit_rate']:>8.1%} {r['prefilled_tokens']:>9} "
             f"{r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>6.0f}ms {r['wall_s']:>6.1f}s "
-            f"{r['spilled_blocks']:>7} {r['loaded_blocks']:>6} {str(r['answers_equal_reference']):>5}"
+            f"{r['spilled_blocks'] + r['host_spilled_blocks']:>7} {r['loaded_blocks'] + r['host_loaded_blocks']:>6} "
+            f"{str(r['answers_equal_reference']):>5}"
         )
-    without, tier = (results[1], results[0]) if args.tier_first else (results[0], results[1])
-    ratios = {
-        "hit_rate_tier_over_none": tier["hit_rate"] / without["hit_rate"] if without["hit_rate"] else None,
-        "ttft_p50_tier_over_none": tier["ttft_p50_ms"] / without["ttft_p50_ms"],
-        "ttft_p99_tier_over_none": tier["ttft_p99_ms"] / without["ttft_p99_ms"],
-        "wall_tier_over_none": tier["wall_s"] / without["wall_s"],
-    }
+    by_name = {r["run"]: r for r in results}
+    without = by_name["small pool, no tier"]
+    ratios: dict[str, float | None] = {}
+    for tier, key in (("disk", "tier"), ("host", "host")):  # "tier": the disk's, as named in the first results
+        r = by_name[f"small pool + {tier} tier"]
+        ratios[f"hit_rate_{key}_over_none"] = r["hit_rate"] / without["hit_rate"] if without["hit_rate"] else None
+        ratios[f"ttft_p50_{key}_over_none"] = r["ttft_p50_ms"] / without["ttft_p50_ms"]
+        ratios[f"ttft_p99_{key}_over_none"] = r["ttft_p99_ms"] / without["ttft_p99_ms"]
+        ratios[f"wall_{key}_over_none"] = r["wall_s"] / without["wall_s"]
     print("  ".join(f"{k} {v:.2f}" for k, v in ratios.items() if v is not None))
     path = write_result(
         "kv_offload", {"args": vars(args), "working_set_blocks": working_set, "runs": results, **ratios}

@@ -74,3 +74,9 @@ def test_aliases_parse_into_our_fields_and_reach_the_workers():
         ["--coordinator", "tcp://h:1", "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", "5"]
     )
     assert (worker.tp_size, worker.kv_cache_memory) == (2, 5)
+    # the host-memory KV tier: vLLM's --kv-offloading-size (GiB) is our --kv-offload-host-gb
+    offloading = build_parser().parse_args(["--kv-offloading-size", "2.5"])
+    assert worker_args(offloading, []) == ["--kv-offload-host-gb", "2.5"]
+    assert (
+        worker_parser().parse_args(["--coordinator", "tcp://h:1", "--kv-offloading-size", "4"]).kv_offload_host_gb == 4
+    )

@@ -419,7 +419,7 @@ class FakeTier:
     def holds(self, block_hash: int) -> bool:
         return block_hash in self.disk
 
-    def on_disk(self, block_hash: int) -> bool:
+    def loadable(self, block_hash: int) -> bool:
         return block_hash in self.disk
 
     def hashes(self) -> list[int]:

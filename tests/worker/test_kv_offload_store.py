@@ -1,6 +1,8 @@
 """DiskStore (worker/kv/offload_store.py), no torch: the file format and its checks (corrupt, truncated, foreign,
 another prefix: rejected, deleted, counted), the size bound (LRU), the bounded writer queue (a full queue drops),
-a restarted store reusing its slot, slots kept apart by their locks, the directory's checks and the config's."""
+a restarted store reusing its slot, slots kept apart by their locks, the directory's checks and the config's.
+HostStore (worker/kv/host_store.py), no torch: slots over a bytearray, LRU departures (their payload checked on the
+way down), checksum and prefix checks on load."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 from infer.protocol.options import add_options, given, to_argv
 from infer.protocol.prefix_hash import prefix_digest
 from infer.worker.engine.config import EngineConfig
+from infer.worker.kv.host_store import HostStore
 from infer.worker.kv.offload_store import (
     HEADER_SIZE,
     DiskStore,
@@ -187,6 +190,15 @@ def test_the_directory_and_the_bound_are_checked(tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
+        ({"kv_offload_host_gb": 0}, "kv_offload_host_gb must be a number of GiB > 0"),
+        ({"kv_offload_host_gb": -2}, "kv_offload_host_gb must be a number of GiB > 0"),
+        ({"kv_offload_host_gb": "4"}, "kv_offload_host_gb must be a number of GiB > 0"),
+        ({"kv_offload_host_gb": float("nan")}, "kv_offload_host_gb must be a number of GiB > 0"),
+        ({"kv_offload_host_gb": True}, "kv_offload_host_gb must be a number of GiB > 0"),
+        (
+            {"kv_offload_host_gb": 1, "enable_prefix_caching": False},
+            "kv_offload_host_gb .* needs enable_prefix_caching",
+        ),
         ({"kv_offload_dir": "/tmp", "kv_offload_gb": 0}, "kv_offload_gb must be a number of GiB > 0"),
         ({"kv_offload_dir": "/tmp", "kv_offload_gb": -1.5}, "kv_offload_gb must be a number of GiB > 0"),
         ({"kv_offload_dir": "/tmp"}, "go together"),
@@ -199,6 +211,9 @@ def test_the_engine_options_are_validated(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
     assert EngineConfig(kv_offload_dir="/tmp", kv_offload_gb=0.5).kv_offload_bytes == 1 << 29
+    assert EngineConfig(kv_offload_host_gb=0.25).kv_offload_host_bytes == 1 << 28
+    both = EngineConfig(kv_offload_host_gb=2, kv_offload_dir="/tmp", kv_offload_gb=8)
+    assert (both.kv_offload_host_bytes, both.kv_offload_bytes) == (2 << 30, 8 << 30)
 
 
 def test_the_flags_parse_and_survive_argv(tmp_path):
@@ -208,3 +223,71 @@ def test_the_flags_parse_and_survive_argv(tmp_path):
     config = EngineConfig.from_options(**given(EngineConfig, args))
     assert (config.kv_offload_dir, config.kv_offload_gb) == (str(tmp_path), 2.5)
     assert to_argv(EngineConfig, config) == ["--kv-offload-dir", str(tmp_path), "--kv-offload-gb", "2.5"]
+
+
+@pytest.mark.parametrize("flag", ["--kv-offload-host-gb", "--kv-offloading-size"])  # ours, vLLM's
+def test_the_host_tier_flag_parses_and_survives_argv(flag):
+    parser = argparse.ArgumentParser()
+    add_options(parser, EngineConfig)
+    config = EngineConfig.from_options(**given(EngineConfig, parser.parse_args([flag, "1.5"])))
+    assert config.kv_offload_host_gb == 1.5
+    assert to_argv(EngineConfig, config) == ["--kv-offload-host-gb", "1.5"]
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, "lots"])
+
+
+# ---- HostStore ----------------------------------------------------------------------------------
+
+
+def host_of(slots: int) -> tuple[HostStore, bytearray]:
+    """A host store over a bytearray of `slots` blocks (the engine's is a tensor's bytes)."""
+    memory = bytearray(slots * BLOCK)
+    view = memoryview(memory)
+    return HostStore(slots, lambda slot: view[slot * BLOCK : (slot + 1) * BLOCK]), memory
+
+
+def host_put(store: HostStore, memory: bytearray, i: int, below: bool = True):
+    """Copy block `i` in as the engine does (take a slot, write it, put); returns the block pushed out, if any
+    (`below`: the tier below wants it)."""
+    taken = store.take_slot(lambda block_hash: below)
+    assert taken is not None
+    slot, departed = taken
+    memory[slot * BLOCK : (slot + 1) * BLOCK] = payload(i)
+    store.put(i, digest(i), slot)
+    return departed
+
+
+def test_host_blocks_load_back_and_the_least_recently_used_leaves_with_its_payload():
+    store, memory = host_of(2)
+    assert host_put(store, memory, 1) is None and host_put(store, memory, 2) is None
+    slot = store.load(1, digest(1))  # 1 is now the most recently used
+    assert slot is not None and bytes(memory[slot * BLOCK : (slot + 1) * BLOCK]) == payload(1)
+    departed = host_put(store, memory, 3)
+    assert (departed.block_hash, departed.digest, departed.payload) == (2, digest(2), payload(2))
+    assert store.hashes() == [1, 3] and not store.holds(2)
+    assert host_put(store, memory, 4, below=False).payload is None  # no disk below (or it has it): not copied
+    assert store.take_changes() == [(1, True), (2, True), (2, False), (3, True), (1, False), (4, True)]
+    assert (store.counters.spilled, store.counters.loaded, store.counters.corrupt) == (4, 1, 0)
+    assert store.clear() == 2 and len(store) == 0 and store.take_changes() == []
+    assert (
+        all(store.take_slot(lambda h: True) is not None for _ in range(2)) and store.take_slot(lambda h: True) is None
+    )
+
+
+def test_a_corrupt_host_entry_is_rejected_forgotten_and_counted():
+    store, memory = host_of(3)
+    for i in (1, 2, 3):
+        host_put(store, memory, i)
+    store.take_changes()
+    memory[0 * BLOCK + 5] ^= 0x40  # one bit of block 1's payload (slot 0)
+    assert store.load(1, digest(1)) is None  # checksum mismatch
+    assert store.load(2, digest(3)) is None  # the hash's entry proves another prefix
+    assert store.counters.corrupt == 2 and store.counters.loaded == 0
+    assert store.take_changes() == [(1, False), (2, False)] and store.hashes() == [3]
+    memory[2 * BLOCK] ^= 1  # block 3's (slot 2), then pushed out towards the disk: not copied down
+    host_put(store, memory, 4)
+    host_put(store, memory, 5)
+    departed = host_put(store, memory, 6)
+    assert departed.block_hash == 3 and departed.payload is None and store.counters.corrupt == 3
+    with pytest.raises(ValueError, match="holds no block"):
+        HostStore(0, lambda slot: memoryview(b""))

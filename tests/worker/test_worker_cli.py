@@ -96,6 +96,12 @@ def test_options_survive_argv_and_back():
         ),
         ([*COORDINATOR, "--kv-offload-dir", "/", "--kv-offload-gb", "0"], "kv_offload_gb must be a number of GiB > 0"),
         ([*COORDINATOR, "--kv-offload-dir", "/nonexistent/kv"], "go together"),
+        ([*COORDINATOR, "--kv-offload-host-gb", "0"], "kv_offload_host_gb must be a number of GiB > 0"),
+        ([*COORDINATOR, "--kv-offload-host-gb", "much"], "--kv-offloading-size: invalid float value: 'much'"),
+        (
+            [*COORDINATOR, "--kv-offload-host-gb", "2", "--no-enable-prefix-caching"],
+            "kv_offload_host_gb spills prefix-cache blocks: it needs enable_prefix_caching",
+        ),
         (
             [*COORDINATOR, "--kv-offload-dir", "/nonexistent/kv", "--kv-offload-gb", "4"],
             "--kv-offload-dir /nonexistent/kv: no such directory",

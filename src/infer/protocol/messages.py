@@ -37,6 +37,8 @@ from infer.protocol.tracing import parse_traceparent
 # 5: what a request asks for (prompt or ids, images, decoder prompt, SamplingParams, priority) is one nested
 #    RequestSpec, carried unchanged by Submit, the coordinator's record and every Dispatch; RequestSpec.audio (an
 #    optional field a v5 peer without it refuses as unknown only when a request carries audio)
+#    Load.kv_offload_host_* (optional counters of the host-memory KV tier: a v5 peer without them refuses them
+#    only from a worker with --kv-offload-host-gb)
 PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 64 << 20  # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
@@ -740,6 +742,10 @@ class Load(Message, frozen=True):
     kv_offload_*: the KV tier beyond the pool (--kv-offload-dir), blocks since the engine started: written to disk,
         read back into the pool (their tokens count in prefix_cache_hits), not written (the writer's queue full, a
         write error), and files rejected (corrupt, truncated, foreign: deleted, recomputed).
+    kv_offload_host_*: the KV tier in host memory (--kv-offload-host-gb), blocks since the engine started: copied in,
+        read back into the pool (their tokens count in prefix_cache_hits), let go with nowhere to go (pushed out with
+        no disk tier below, or no slot free; a block moved down to disk is not dropped: it counts in
+        kv_offload_spilled_blocks once written), and entries rejected (checksum or prefix mismatch: recomputed).
     """
 
     TYPE: ClassVar[str] = "load"
@@ -764,6 +770,10 @@ class Load(Message, frozen=True):
     kv_offload_loaded_blocks: NonNegative = 0
     kv_offload_dropped_blocks: NonNegative = 0
     kv_offload_corrupt_blocks: NonNegative = 0
+    kv_offload_host_spilled_blocks: NonNegative = 0
+    kv_offload_host_loaded_blocks: NonNegative = 0
+    kv_offload_host_dropped_blocks: NonNegative = 0
+    kv_offload_host_corrupt_blocks: NonNegative = 0
     # KV transfers between workers (disaggregated prefill and decode): blocks a producer sent, blocks a consumer
     # stored in its prefix cache, blocks it received but could not store (no free block, a gap, a bad checksum)
     kv_transfer_sent_blocks: NonNegative = 0

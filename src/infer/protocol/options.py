@@ -31,6 +31,7 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "--pp-size": ("--pipeline-parallel-size", "-pp"),  # pipeline stages per DP rank
     "--workers": ("--data-parallel-size", "-dp"),  # infer-serve: DP ranks
     "--kv-cache-memory": ("--kv-cache-memory-bytes",),  # bytes of KV cache per DP rank
+    "--kv-offload-host-gb": ("--kv-offloading-size",),  # GiB of host memory for evicted KV blocks per DP rank
 }
 
 
@@ -56,7 +57,7 @@ VLLM_REFUSED: dict[str, Refused] = {
     ),
     "--swap-space": Refused(
         "preemption recomputes here; there is no CPU swap space for KV blocks (evicted prefix-cache blocks can go to "
-        "disk: --kv-offload-dir DIR --kv-offload-gb N)"
+        "host memory: --kv-offload-host-gb N, and to disk: --kv-offload-dir DIR --kv-offload-gb N)"
     ),
     "--cpu-offload-gb": Refused(
         "weights are not offloaded to CPU memory; use --quantization int8 / int4 to fit a model in less memory"

@@ -169,7 +169,7 @@ class FrontMetrics:
                 "infer:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
             ),
             "kv_offload_spilled_blocks": Counter(
-                "infer:kv_offload_spilled_blocks", "KV tier: blocks written to disk.", labels, registry=r
+                "infer:kv_offload_spilled_blocks", "KV disk tier: blocks written to disk.", labels, registry=r
             ),
             "kv_offload_loaded_blocks": Counter(
                 "infer:kv_offload_loaded_blocks",
@@ -186,6 +186,30 @@ class FrontMetrics:
             "kv_offload_corrupt_blocks": Counter(
                 "infer:kv_offload_corrupt_blocks",
                 "KV tier: spilled files rejected (corrupt, truncated, foreign) and recomputed.",
+                labels,
+                registry=r,
+            ),
+            "kv_offload_host_spilled_blocks": Counter(
+                "infer:kv_offload_host_spilled_blocks",
+                "KV host-memory tier: evicted blocks copied into host memory.",
+                labels,
+                registry=r,
+            ),
+            "kv_offload_host_loaded_blocks": Counter(
+                "infer:kv_offload_host_loaded_blocks",
+                "KV host-memory tier: blocks read back from host memory instead of prefilled.",
+                labels,
+                registry=r,
+            ),
+            "kv_offload_host_dropped_blocks": Counter(
+                "infer:kv_offload_host_dropped_blocks",
+                "KV host-memory tier: blocks let go with no disk tier below (or no slot free).",
+                labels,
+                registry=r,
+            ),
+            "kv_offload_host_corrupt_blocks": Counter(
+                "infer:kv_offload_host_corrupt_blocks",
+                "KV host-memory tier: entries rejected (checksum or prefix mismatch) and recomputed.",
                 labels,
                 registry=r,
             ),

@@ -16,9 +16,9 @@ Free blocks wait in one queue; allocation takes blocks from its front (evicting 
 they still hold). A freed block that holds cached content keeps it and can be revived by a later hit
 until the allocator hands it out again.
 
-A tier beyond the pool (`attach_tier`: worker/kv/offload.py, files of worker/kv/offload_store.py): base-model blocks
+A tier beyond the pool (`attach_tier`: worker/kv/offload.py, over host memory and / or disk files): base-model blocks
 evicted from the pool are listed in `evicted` (block id, hash, prefix digest) for the engine to copy out before any
-forward overwrites them; `plan_restore` finds a waiting request's leading blocks missing from the pool but on disk,
+forward overwrites them; `plan_restore` finds a waiting request's leading blocks missing from the pool but in the tier,
 and `restore` puts those the engine could read back into free blocks as cached content (most recently used), where
 the request's admission finds them as ordinary hits. With a tier, every base-model block also carries its prefix
 digest (protocol/prefix_hash.py: the proof a file is checked against; a 64-bit hash alone is never trusted), and a
@@ -46,13 +46,13 @@ __all__ = ["RELEASED", "BlockManager", "LowerTier", "hash_block_tokens"]
 
 
 class LowerTier(Protocol):
-    """Where evicted blocks go (worker/kv/offload_store.py's DiskStore). Called from the engine's thread only, but
-    its answers may change between calls (a writer thread of its own): `holds` is true while a hash is stored or
-    queued to be; `on_disk` only once stored."""
+    """Where evicted blocks go (worker/kv/offload.py's KvOffload: host memory, disk, or both). Called from the
+    engine's thread only, but its answers may change between calls (the disk's writer thread): `holds` is true while
+    a hash is stored or queued to be; `loadable` only once it could be read back now."""
 
     def holds(self, block_hash: int) -> bool: ...
 
-    def on_disk(self, block_hash: int) -> bool: ...
+    def loadable(self, block_hash: int) -> bool: ...
 
     def hashes(self) -> Iterable[int]: ...
 
@@ -518,7 +518,7 @@ class BlockManager:
 
     def plan_restore(self, request: Request) -> tuple[list[int], list[tuple[int, bytes]]]:
         """The request's pool hits (`find_cached_prefix`) and (hash, prefix digest) of the blocks right after them
-        that the tier has on disk, in order, up to the first it lacks: what `restore` could add. A base-model request
+        that the tier could load, in order, up to the first it lacks: what `restore` could add. A base-model request
         that holds no blocks only."""
         if self.tier is None or request.lora_id or request.block_table:
             return [], []
@@ -531,7 +531,7 @@ class BlockManager:
             return hits, []
         wanted: list[tuple[int, bytes]] = []
         for i in range(len(hits), max_blocks):
-            if not self.tier.on_disk(hashes[i]):
+            if not self.tier.loadable(hashes[i]):
                 break
             digest = prefix_digest(digest, self._block_tokens(request, i))
             wanted.append((hashes[i], digest))

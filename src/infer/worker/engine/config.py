@@ -72,6 +72,11 @@ class EngineConfig:
         pool but is on disk. Needs prefix caching and a model loaded from files; not with TP / PP yet. The directory
         is checked (exists, writable) when the engine starts, where it is used: a launcher may build this config
         on another host.
+    kv_offload_host_gb: the KV tier in host memory (worker/kv/offload.py, worker/kv/host_store.py; vLLM's
+        --kv-offloading-size): evicted prefix-cache blocks of the base model are copied into at most this many GiB of
+        host memory (pinned when the pool is on a GPU; allocated at start), checksummed, and read back like the disk's
+        on a hit. Its least recently used blocks move down to the disk tier when kv_offload_dir is given, else are
+        dropped: pool -> host -> disk. Needs prefix caching; not with TP / PP yet.
     """
 
     model: str | None = option(
@@ -114,6 +119,13 @@ class EngineConfig:
     kv_offload_gb: float | None = option(
         None,
         "with --kv-offload-dir: the most GiB of spilled blocks kept there (least recently used deleted first)",
+        metavar="N",
+    )
+    kv_offload_host_gb: float | None = option(
+        None,
+        "spill prefix-cache blocks evicted from the KV pool to at most N GiB of host memory (pinned on a GPU), read "
+        "back on a later hit instead of prefilling; its least recently used blocks move down to --kv-offload-dir when "
+        "given, else are dropped (vLLM: --kv-offloading-size; off by default)",
         metavar="N",
     )
     enable_chunked_prefill: bool = option(True, "split long prompts over steps, mixed with decodes")
@@ -286,11 +298,23 @@ class EngineConfig:
             )
         if path is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offload_dir spills prefix-cache blocks: it needs enable_prefix_caching")
+        host = self.kv_offload_host_gb
+        if host is not None and (
+            isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 < host < float("inf")
+        ):
+            raise ValueError(f"kv_offload_host_gb must be a number of GiB > 0, got {host!r}")
+        if host is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_host_gb spills prefix-cache blocks: it needs enable_prefix_caching")
 
     @property
     def kv_offload_bytes(self) -> int | None:
         """`kv_offload_gb` in bytes (GiB), or None: no tier beyond the pool."""
         return None if self.kv_offload_gb is None else int(self.kv_offload_gb * (1 << 30))
+
+    @property
+    def kv_offload_host_bytes(self) -> int | None:
+        """`kv_offload_host_gb` in bytes (GiB), or None: no tier in host memory."""
+        return None if self.kv_offload_host_gb is None else int(self.kv_offload_host_gb * (1 << 30))
 
     @property
     def model_id(self) -> str:

@@ -98,6 +98,8 @@ def refusals(config: Any, *, tp_size: int, pipeline: bool, ep_size: int) -> list
         out.append(f"quantization {config.quantization!r}")
     if config.kv_offload_dir is not None:
         out.append("the KV tier beyond the pool (kv_offload_dir)")
+    if config.kv_offload_host_gb is not None:
+        out.append("the KV tier in host memory (kv_offload_host_gb)")
     return out
 
 

@@ -120,8 +120,8 @@ class Engine:
         self.stage = stage
         self.ep = ExpertParallel.single() if ep is None else ep  # this rank's share of an MoE model's experts
         self.tp = TensorParallel.single() if tp is None else tp  # this rank's shard of every layer
-        if config.kv_offload_dir is not None:  # before the weights load: a bad directory fails at once
-            _check_kv_offload(config.kv_offload_dir, model, self.tp, stage)
+        if config.kv_offload_dir is not None or config.kv_offload_host_gb is not None:  # before the weights load
+            _check_kv_offload(config, model, self.tp, stage)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device)
@@ -198,14 +198,18 @@ class Engine:
                 whole_images=bool(getattr(self.model, "bidirectional_images", False)),
             )
         )
-        self.offload: KvOffload | None = None  # the KV tier beyond the pool (worker/kv/offload.py)
-        if config.kv_offload_dir is not None and config.kv_offload_bytes is not None and self.model_path is not None:
+        self.offload: KvOffload | None = None  # the KV tiers beyond the pool (worker/kv/offload.py)
+        on_disk = config.kv_offload_dir is not None and self.model_path is not None
+        if on_disk or config.kv_offload_host_bytes is not None:
             self.offload = KvOffload.open(
-                Path(config.kv_offload_dir),
-                config.kv_offload_bytes,
                 self.kv_cache,
                 self.scheduler.block_manager,
-                ModelFiles(self.model_path, tuple(weight_files(self.model_path)), config.quantization),
+                host_bytes=config.kv_offload_host_bytes,
+                root=None if config.kv_offload_dir is None else Path(config.kv_offload_dir),
+                disk_bytes=config.kv_offload_bytes,
+                model=None
+                if self.model_path is None
+                else ModelFiles(self.model_path, tuple(weight_files(self.model_path)), config.quantization),
             )
         # the pool as blocks of bytes, for KV transfers between workers (worker/kv/port.py)
         self.kv_port = KvPort(
@@ -410,7 +414,7 @@ class Engine:
             outputs.extend(self.grammars.admit_ready())
         if self.in_flight.depth > 1:
             return outputs + self._step_micro_batches()
-        if self.offload is not None:  # waiting prefixes on disk back into the pool, as cached blocks
+        if self.offload is not None:  # waiting prefixes in host memory or on disk back into the pool, as cached blocks
             self.offload.restore(self.scheduler.waiting, self.config.max_num_seqs - self.scheduler.num_running)
         scheduled = self.scheduler.schedule(self._propose_drafts())
         if self.offload is not None:  # the blocks scheduling evicted, copied out before the forward writes there
@@ -657,15 +661,19 @@ class Engine:
         return {} if images is None else {"mm_images_encoded": images.encoded, "mm_encoder_cache_hits": images.hits}
 
     def _offload_counts(self) -> dict[str, int]:
-        """The KV tier's counters as Load's fields (none without a tier: the defaults, 0)."""
+        """The KV tiers' counters as Load's fields (none without a tier: the defaults, 0)."""
         if self.offload is None:
             return {}
-        c = self.offload.counters
+        c, h = self.offload.counters, self.offload.host_counters
         return {
             "kv_offload_spilled_blocks": c.spilled,
             "kv_offload_loaded_blocks": c.loaded,
             "kv_offload_dropped_blocks": c.dropped,
             "kv_offload_corrupt_blocks": c.corrupt,
+            "kv_offload_host_spilled_blocks": h.spilled,
+            "kv_offload_host_loaded_blocks": h.loaded,
+            "kv_offload_host_dropped_blocks": h.dropped,
+            "kv_offload_host_corrupt_blocks": h.corrupt,
         }
 
     def publish_kv_events(self, on: bool) -> None:
@@ -771,16 +779,18 @@ class Engine:
         return self.kv_cache.num_blocks
 
 
-def _check_kv_offload(path: str, model: object, tp: TensorParallel, stage: object) -> None:
-    """ValueError when the KV tier beyond the pool cannot run here (the directory, or what is not supported yet)."""
-    check_offload_dir(path)
-    if model is not None:
-        raise ValueError(
-            "kv_offload_dir needs a model loaded from files: an in-memory model has nothing a later process could "
-            "check spilled blocks against"
-        )
+def _check_kv_offload(config: EngineConfig, model: object, tp: TensorParallel, stage: object) -> None:
+    """ValueError when a KV tier beyond the pool cannot run here (the directory, or what is not supported yet)."""
+    if config.kv_offload_dir is not None:
+        check_offload_dir(config.kv_offload_dir)
+        if model is not None:
+            raise ValueError(
+                "kv_offload_dir needs a model loaded from files: an in-memory model has nothing a later process could "
+                "check spilled blocks against"
+            )
     if tp.size > 1 or stage is not None:
-        raise ValueError("kv_offload_dir is not supported with tensor or pipeline parallelism yet")
+        names = [n for n in ("kv_offload_dir", "kv_offload_host_gb") if getattr(config, n) is not None]
+        raise ValueError(f"{' and '.join(names)}: not supported with tensor or pipeline parallelism yet")
 
 
 def _rope_depends_on_length(model: Any) -> bool:

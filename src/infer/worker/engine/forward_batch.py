@@ -226,6 +226,16 @@ class KVCache:
         picked = [t.index_select(1, index).transpose(0, 1) for pool in self._pools for t in pool]
         return torch.stack(picked, dim=1).to("cpu").contiguous()
 
+    def copy_blocks_out(self, block_ids: Sequence[int], out: torch.Tensor, slots: Sequence[int]) -> None:
+        """Copy these blocks into `out[slots]`: `out` is [num_slots, *block_shape] in host memory (the KV tier in
+        host memory). From a GPU pool the copies are asynchronous (`out` pinned): the caller synchronizes the
+        pool's stream before it reads them."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.k[0].device)
+        # each [Hkv, n, bs, D] -> [n, Hkv, bs, D]; stacked on dim 1: [n, tensors, Hkv, bs, D]
+        picked = torch.stack([t.index_select(1, index).transpose(0, 1) for pool in self._pools for t in pool], dim=1)
+        for j, slot in enumerate(slots):  # one copy a block (on a CPU ~5x faster than index_copy_ in bf16)
+            out[slot].copy_(picked[j], non_blocking=True)  # GPU -> pinned host: a DMA, asynchronous
+
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Write one block of every tensor from `data`: [*block_shape] in the pool's dtype (the KV tier's loads)."""
         data = data.to(self.k[0].device)
