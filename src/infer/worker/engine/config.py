@@ -47,14 +47,15 @@ class EngineConfig:
         ranked requests and the aging rule of worker/engine/scheduler.py: a request waiting `priority_aging_steps`
         engine steps ranks ahead of every younger one).
     long_prefill_token_threshold: with chunked prefill, the most tokens a request's prefill chunk takes in one step
-        (vLLM's name and rule; worker/engine/scheduler.py, "Short prefills beside a long one"): the budget a long prompt
-        leaves admits the short prompts behind it in the same step. 0: no cap (a chunk takes all the budget left).
-        None (the default) is 0, but on a kv_producer worker (`for_kv_role`) a quarter (PRODUCER_PREFILL_SHARE) of the
-        step's token budget (512 of the default 2048): a producer prefills for every request of its consumers, so a long
-        prompt there would hold back every new request's first token for its whole prefill. Its cost: a long prompt
-        takes up to budget / threshold times as many steps, each with its fixed cost, so its own time to first token
-        grows; and long prompts that arrive together prefill side by side (each up to the threshold a step) instead of
-        one after the other, so the first of them is answered later. Without chunked prefill it must be 0 or None.
+        (vLLM's name and rule, verification chunks aside; worker/engine/scheduler.py, "Short prefills beside a long
+        one"): the budget a long prompt leaves admits the short prompts behind it in the same step. 0: no cap (a chunk
+        takes all the budget left). None (the default) is 0, but on a kv_producer worker (`for_kv_role`) a quarter
+        (PRODUCER_PREFILL_SHARE) of the step's token budget (512 of the default 2048): a producer prefills for every
+        request of its consumers, so a long prompt there would hold back every new request's first token for its whole
+        prefill. Its cost: a long prompt takes up to budget / threshold times as many steps, each with its fixed cost,
+        so its own time to first token grows; and long prompts that arrive together prefill side by side (each up to the
+        threshold a step) instead of one after the other, so the first of them is answered later. Without chunked
+        prefill it must be 0 or None.
     max_grammar_step_ms, max_grammar_compiles, max_grammar_compiles_per_client: the bounds on structured outputs'
         grammars (worker/engine/structured.py): the CPU time one request's grammar may take in a step (measured, so that
         a grammar costly to follow fails alone after one step instead of slowing every step of the engine), and

@@ -18,8 +18,9 @@ Policy (vLLM v1 style, "unified" prefill/decode):
   (a whole prompt must fit the budget, which decodes would otherwise eat), keeping back the blocks
   the running requests need this step.
 - Short prefills beside a long one (`long_prefill_token_threshold` T > 0, chunked prefill only; vLLM's name and
-  rule), under either policy: a chunk of more than one token that is not a verification chunk (a prompt's, or a
-  preempted or resumed request's recompute) takes at most T tokens in a step, running and waiting requests alike.
+  rule, but for verification chunks, which vLLM cuts too), under either policy: a chunk of more than one token that
+  is not a verification chunk (a prompt's, or a preempted or resumed request's recompute) takes at most T tokens in
+  a step, running and waiting requests alike.
   What a long prompt leaves of the budget goes on, in the order above, to the requests after it: a waiting prompt
   of up to T uncached tokens is admitted, prefilled whole and samples its first token in a step in which a long one
   only advances (as far as the budget, seats and blocks go). Decodes and verification chunks are never cut. With
@@ -560,8 +561,8 @@ class Scheduler:
 
     def _chunk_size(self, request: Request, start: int, available: int) -> int:
         """Tokens of `request` to compute from `start` when `available` of them fit this step (0: it must wait):
-        more than one cut to `long_prefill_token_threshold` (but an image that the chunk starts in is still taken
-        whole), then with `whole_images` cut back so that the chunk never ends inside an image."""
+        cut to `long_prefill_token_threshold` when over it (a decode's one token never is; an image the chunk starts
+        in is still taken whole), then with `whole_images` cut back so that the chunk never ends inside an image."""
         threshold = self.config.long_prefill_token_threshold
         num_new = available
         if 0 < threshold < num_new:
