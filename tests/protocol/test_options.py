@@ -70,6 +70,7 @@ def test_choices_come_from_the_field():
             max_model_len=128,
             enable_chunked_prefill=False,
             max_num_batched_tokens=256,
+            long_prefill_token_threshold=0,  # differs from the default (None: by role), so it is written
             num_threads=4,
             enforce_eager=False,
             suspend_weights="reload",

@@ -1,5 +1,6 @@
-"""Scheduler: budgets, chunked prefill mixed with decodes, preemption by recompute, FCFS admission, aborts,
-requests that can never fit, and simulated engine loops over random workloads run to completion."""
+"""Scheduler: budgets, chunked prefill mixed with decodes, short prefills beside a long one
+(long_prefill_token_threshold), preemption by recompute, FCFS admission, aborts, requests that can never fit, and
+simulated engine loops over random workloads run to completion."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
         assert len(request.block_table) * config.block_size >= chunk.end
     if not config.enable_chunked_prefill:
         assert all(c.samples for c in output.chunks), "without chunking every prefill is whole"
+    threshold = config.long_prefill_token_threshold
+    if threshold and not config.whole_images:
+        assert all(c.is_decode or c.num_new_tokens <= threshold for c in output.chunks)
 
 
 def engine_step(scheduler: Scheduler) -> SchedulerOutput:
@@ -65,6 +69,19 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[Sch
         (
             dict(enable_chunked_prefill=False),
             r"without chunked prefill, max_num_batched_tokens \(64\) must be >= max_model_len \(2048\)",
+        ),
+        (dict(long_prefill_token_threshold=-1), r"long_prefill_token_threshold must be an integer >= 0 \(0: off\)"),
+        (
+            dict(long_prefill_token_threshold=8.0),
+            r"long_prefill_token_threshold must be an integer >= 0 \(0: off\), got 8.0",
+        ),
+        (
+            dict(long_prefill_token_threshold=True),
+            r"long_prefill_token_threshold must be an integer >= 0 \(0: off\), got True",
+        ),
+        (
+            dict(enable_chunked_prefill=False, max_num_batched_tokens=2048, long_prefill_token_threshold=16),
+            r"long_prefill_token_threshold \(16\) needs chunked prefill",
         ),
     ],
 )
@@ -127,6 +144,78 @@ def test_any_number_of_requests_may_be_mid_prefill():
     assert [(c.request.request_id, c.num_new_tokens) for c in output.chunks] == [("r0", 1), ("r1", 63)]
     run_to_completion(scheduler)
     assert all(r.output_token_ids == expected_output(r.prompt_token_ids, 2) for r in requests)
+
+
+def first_token_steps(scheduler: Scheduler, requests: list[Request], arrive_at: int = 1) -> dict[str, int]:
+    """Step (0-based) at which each request samples its first token; `requests` are added before step `arrive_at`
+    (the scheduler holds whatever was added before the call)."""
+    first: dict[str, int] = {}
+    step = 0
+    while scheduler.has_unfinished() or step < arrive_at:
+        if step == arrive_at:
+            for request in requests:
+                scheduler.add(request)
+        for chunk in engine_step(scheduler).chunks:
+            if chunk.samples:
+                first.setdefault(chunk.request.request_id, step)
+        step += 1
+        assert step < 10_000, "no progress"
+    return first
+
+
+@pytest.mark.parametrize("threshold", [0, 16])
+def test_short_prompts_behind_a_long_one_are_prefilled_beside_it_with_the_threshold(threshold):
+    """A 200-token prompt, then three short ones (5, 10 and 16 tokens) a step later, at 64 tokens a step. With a
+    threshold of 16 the long prompt takes 16 tokens a step and the short ones are admitted beside it at once: they
+    sample their first token in the next step, while the long one still has 168 tokens to prefill. Without it the
+    long prompt takes the whole budget until its last chunk, and the short ones wait for that step."""
+    scheduler = make_scheduler(max_num_batched_tokens=64, num_blocks=128, long_prefill_token_threshold=threshold)
+    long = make_request(0, [(7 * j) % 1000 for j in range(200)], max_tokens=3)
+    shorts = [make_request(i, [i + 1] * n, max_tokens=3) for i, n in ((1, 5), (2, 10), (3, 16))]
+    scheduler.add(long)
+    first = first_token_steps(scheduler, shorts)
+    if threshold:
+        assert [first[s.request_id] for s in shorts] == [1, 1, 1]
+        assert first["r0"] == 12  # 12 chunks of 16 tokens, then one of 8 that samples
+    else:
+        assert [first[s.request_id] for s in shorts] == [3, 3, 3]  # beside the long one's last chunk (8 tokens)
+        assert first["r0"] == 3
+    for request in (long, *shorts):
+        assert request.output_token_ids == expected_output(request.prompt_token_ids, 3)
+
+
+def test_the_threshold_cuts_prefill_chunks_not_decodes_and_shares_what_a_long_prompt_leaves():
+    """Two long prompts (FCFS: the older first) and decodes: every prefill chunk is at most the threshold, each
+    decode is one token, and the budget is filled in arrival order."""
+    scheduler = make_scheduler(max_num_batched_tokens=40, num_blocks=256, long_prefill_token_threshold=12)
+    decoders = [make_request(i, [i + 1] * 3, max_tokens=30) for i in range(3)]
+    for request in decoders:
+        scheduler.add(request)
+    engine_step(scheduler)
+    a, b = make_request(3, list(range(100)), 2), make_request(4, list(range(300, 400)), 2)
+    scheduler.add(a)
+    scheduler.add(b)
+    output = engine_step(scheduler)
+    assert [(c.request.request_id, c.num_new_tokens) for c in output.chunks] == [
+        ("r0", 1),
+        ("r1", 1),
+        ("r2", 1),
+        ("r3", 12),
+        ("r4", 12),
+    ]
+    run_to_completion(scheduler)
+    assert all(r.output_token_ids == expected_output(r.prompt_token_ids, r.max_tokens) for r in (a, b, *decoders))
+
+
+def test_with_the_threshold_the_rest_of_a_prompt_after_a_cache_hit_is_what_is_capped():
+    scheduler = make_scheduler(block_size=16, num_blocks=64, max_num_batched_tokens=512, long_prefill_token_threshold=8)
+    prefix = [(3 * j) % 1000 for j in range(64)]
+    scheduler.add(make_request(0, prefix + [1, 2, 3], 2))
+    run_to_completion(scheduler)
+    second = make_request(1, prefix + list(range(20)), 2)
+    scheduler.add(second)
+    output = engine_step(scheduler)
+    assert [(c.start, c.num_new_tokens) for c in output.chunks] == [(64, 8)]
 
 
 def test_chunk_samples_only_when_it_reaches_the_last_token():
@@ -399,6 +488,7 @@ def test_without_chunking_admission_keeps_blocks_for_running_decodes():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workloads_run_to_completion(seed):
+    """Chunked configurations cap prefill chunks too, by seed: at 1 token (seeds 1, 11), 5 (2, 7) or 16 (4)."""
     rng = random.Random(seed)
     chunked = seed % 3 != 0
     block_size = rng.choice([1, 2, 4, 16])
@@ -411,6 +501,7 @@ def test_random_workloads_run_to_completion(seed):
         max_num_batched_tokens=rng.randint(1, 64) if chunked else max_model_len,
         enable_prefix_caching=rng.random() < 0.7,
         enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=(0, 1, 5, 0, 16)[seed % 5] if chunked else 0,
     )
     scheduler = make_scheduler(**config)
     bases = [[rng.randrange(50) for _ in range(80)] for _ in range(3)]
@@ -441,10 +532,19 @@ def test_random_workloads_run_to_completion(seed):
             assert request.output_token_ids == expected_output(request.prompt_token_ids, request.max_tokens)
 
 
-def test_sustained_pressure_starves_nobody():
+@pytest.mark.parametrize("threshold", [0, 6])
+def test_sustained_pressure_starves_nobody(threshold):
     """A tiny pool, long outputs and a steady stream of arrivals: preemptions happen all the time, yet the
-    oldest unfinished request computes tokens in every single step, so every request finishes."""
-    scheduler = make_scheduler(max_num_seqs=6, max_num_batched_tokens=32, block_size=4, num_blocks=24, max_model_len=96)
+    oldest unfinished request computes tokens in every single step, so every request finishes; with prefill chunks
+    capped at 6 tokens too."""
+    scheduler = make_scheduler(
+        max_num_seqs=6,
+        max_num_batched_tokens=32,
+        block_size=4,
+        num_blocks=24,
+        max_model_len=96,
+        long_prefill_token_threshold=threshold,
+    )
     rng = random.Random(5)
     arrivals = [
         make_request(i, [rng.randrange(100) for _ in range(rng.randint(4, 30))], rng.randint(20, 60))
@@ -502,3 +602,12 @@ def test_whole_images_are_never_split_across_chunks():
     run = run_to_completion(scheduler)
     r1 = [(c.start, c.end) for output in run for c in output.chunks if c.request.request_id == "r1" and c.start < 12]
     assert r1 == [(3, 9), (9, 12)]
+
+
+def test_with_the_threshold_an_image_longer_than_it_is_still_taken_whole():
+    """Chunks capped at 4 tokens, 8 a step, images of 6 at [3, 9) and [12, 18): a chunk that would end inside an
+    image stops before it, and one that starts at an image takes it whole, past the threshold."""
+    scheduler = make_scheduler(max_num_batched_tokens=8, whole_images=True, long_prefill_token_threshold=4)
+    scheduler.add(_with_images(0, list(range(20)), [(3, 6), (12, 6)]))
+    chunks = [(c.start, c.end) for output in run_to_completion(scheduler) for c in output.chunks if c.start < 20]
+    assert chunks == [(0, 3), (3, 9), (9, 12), (12, 18), (18, 20)]

@@ -1,6 +1,7 @@
 """Scheduler, policy "priority": better ranked requests are admitted first and preempt worse ranked ones
 when seats or blocks are short, never the reverse; the aging rule serves a low priority request under a flood
-of high priority ones. Steps are counted, never timed."""
+of high priority ones; with long_prefill_token_threshold, short prompts are prefilled beside a better ranked long
+one. Steps are counted, never timed."""
 
 from __future__ import annotations
 
@@ -150,9 +151,40 @@ def test_an_aged_request_is_not_preempted_by_a_better_priority():
     assert "r1" in first
 
 
+def test_with_the_threshold_short_prompts_are_prefilled_beside_a_better_ranked_long_one():
+    """Chunks capped at 16 tokens of a 64-token step: the best ranked request, a long prompt, gets its 16 tokens in
+    every step until it is prefilled; worse ranked short prompts behind it take the rest of the budget at once; a
+    better ranked one arriving later is served ahead of it and samples in its first step too."""
+    scheduler = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    long = make_request(0, 150, 2, priority=0)
+    scheduler.add(long)
+    step(scheduler)
+    scheduler.add(make_request(1, 8, 4, priority=5))
+    scheduler.add(make_request(2, 8, 4, priority=5))
+    output = step(scheduler)
+    assert {c.request.request_id: (c.num_new_tokens, c.samples) for c in output.chunks} == {
+        "r0": (16, False),
+        "r1": (8, True),
+        "r2": (8, True),
+    }
+    scheduler.add(make_request(3, 10, 4, priority=-1))
+    output = step(scheduler)
+    assert {c.request.request_id: (c.num_new_tokens, c.samples) for c in output.chunks} == {
+        "r3": (10, True),
+        "r0": (16, False),
+        "r1": (1, True),
+        "r2": (1, True),
+    }
+    while long.num_computed_tokens < 150:
+        output = step(scheduler)
+        assert any(c.request is long for c in output.chunks)  # never starved by the better ranked r3
+    first_token_steps(scheduler)
+    assert long.output_token_ids == expected_output(long.prompt_token_ids, 2)
+
+
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("chunked", [True, False])
-def test_random_workloads_with_priorities_complete_with_exact_outputs(seed, chunked):
+@pytest.mark.parametrize(("chunked", "threshold"), [(True, 0), (True, 8), (False, 0)])
+def test_random_workloads_with_priorities_complete_with_exact_outputs(seed, chunked, threshold):
     rng = random.Random(seed)
     scheduler = make_scheduler(
         max_num_seqs=rng.choice([2, 4, 8]),
@@ -161,6 +193,7 @@ def test_random_workloads_with_priorities_complete_with_exact_outputs(seed, chun
         max_model_len=64,
         enable_chunked_prefill=chunked,
         priority_aging_steps=rng.choice([5, 40, 1000]),
+        long_prefill_token_threshold=threshold,
     )
     requests = [
         make_request(i, rng.randrange(1, 40), rng.randrange(1, 20), priority=rng.randrange(-3, 4)) for i in range(30)

@@ -1,7 +1,8 @@
 """The scheduler with draft tokens (speculative decoding), torch-free: verification chunks count their drafts in
 the token budget and only decoding requests get them; drafts take free blocks only (never preempting);
-accept_draft_tokens counts accepted drafts' K/V and trims rejected drafts' blocks; random workloads with a
-proposer that is sometimes right run to the same outputs as without drafts, invariants checked every step."""
+accept_draft_tokens counts accepted drafts' K/V and trims rejected drafts' blocks; long_prefill_token_threshold
+never cuts a verification chunk; random workloads with a proposer that is sometimes right (half of them with prefill
+chunks capped) run to the same outputs as without drafts, invariants checked every step."""
 
 from __future__ import annotations
 
@@ -72,6 +73,19 @@ def test_drafts_are_cut_to_the_budget_and_dropped_when_blocks_are_short():
     assert out.chunks[0].num_draft_tokens == 0 and not out.preempted
 
 
+def test_the_long_prefill_threshold_never_cuts_a_verification_chunk():
+    scheduler = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=2)
+    a, b = make_request(0, [1, 2], max_tokens=20), make_request(1, list(range(30)), max_tokens=2)
+    scheduler.add(a)
+    verify_step(scheduler, scheduler.schedule())
+    scheduler.add(b)
+    out = scheduler.schedule({"r0": [5, 6, 7, 8, 9]})
+    assert [(c.request.request_id, c.num_new_tokens, c.num_draft_tokens) for c in out.chunks] == [
+        ("r0", 6, 5),  # the request's token and its five drafts, past the threshold of 2
+        ("r1", 2, 0),  # a prefill chunk: cut to the threshold
+    ]
+
+
 def test_accept_draft_tokens_trims_the_rejected_drafts_blocks():
     scheduler = make_scheduler(block_size=4)
     a = make_request(0, [1, 2, 3], max_tokens=30)
@@ -99,6 +113,7 @@ def test_random_workloads_with_drafts_give_the_outputs_without(seed, policy):
         max_num_seqs=rng.choice([2, 4, 8]),
         policy=policy,
         enable_prefix_caching=rng.random() < 0.5,
+        long_prefill_token_threshold=(0, 3)[seed % 2],
     )
     requests = [
         make_request(i, [rng.randrange(1000) for _ in range(rng.randint(1, 20))], rng.randint(1, 16)) for i in range(10)

@@ -20,6 +20,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUSPEND_WEIGHTS = ("auto", "host_copy", "reload")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"  # the model id an engine reports when it serves the embedded model
+# A kv_producer's long_prefill_token_threshold when not given: this share of the step's token budget (EngineConfig doc)
+PRODUCER_PREFILL_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,16 @@ class EngineConfig:
     scheduling_policy: "fcfs" (arrival order) or "priority" (lower `priority` first, with preemption of worse
         ranked requests and the aging rule of worker/engine/scheduler.py: a request waiting `priority_aging_steps`
         engine steps ranks ahead of every younger one).
+    long_prefill_token_threshold: with chunked prefill, the most tokens a request's prefill chunk takes in one step
+        (vLLM's name and rule, verification chunks aside; worker/engine/scheduler.py, "Short prefills beside a long
+        one"): the budget a long prompt leaves admits the short prompts behind it in the same step. 0: no cap (a chunk
+        takes all the budget left). None (the default) is 0, but on a kv_producer worker (`for_kv_role`) a quarter
+        (PRODUCER_PREFILL_SHARE) of the step's token budget (512 of the default 2048): a producer prefills for every
+        request of its consumers, so a long prompt there would hold back every new request's first token for its whole
+        prefill. Its cost: a long prompt takes up to budget / threshold times as many steps, each with its fixed cost,
+        so its own time to first token grows; and long prompts that arrive together prefill side by side (each up to the
+        threshold a step) instead of one after the other, so the first of them is answered later. Without chunked
+        prefill it must be 0 or None.
     max_grammar_step_ms, max_grammar_compiles, max_grammar_compiles_per_client: the bounds on structured outputs'
         grammars (worker/engine/structured.py): the CPU time one request's grammar may take in a step (measured, so that
         a grammar costly to follow fails alone after one step instead of slowing every step of the engine), and
@@ -152,6 +164,13 @@ class EngineConfig:
     priority_aging_steps: int = option(
         1000,
         "with --scheduling-policy priority: a request that has waited N engine steps ranks ahead of every younger one",
+        metavar="N",
+    )
+    long_prefill_token_threshold: int | None = option(
+        None,
+        "with chunked prefill: the most tokens one request's prefill chunk takes in an engine step, so that short "
+        "prompts are prefilled beside a long one (the long one takes more, smaller steps); vLLM's name; 0: no cap. "
+        "Default: 0, but a quarter of the step's token budget on a kv_producer worker (512 of the default 2048)",
         metavar="N",
     )
     max_grammar_step_ms: float = option(
@@ -274,6 +293,7 @@ class EngineConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        self._check_long_prefill()
         if (
             self.max_num_batched_tokens is not None
             and self.max_model_len is not None
@@ -283,6 +303,18 @@ class EngineConfig:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) so a whole prompt fits in one step"
+            )
+
+    def _check_long_prefill(self) -> None:
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            return
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), got {threshold!r}")
+        if threshold and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"long_prefill_token_threshold ({threshold}) needs chunked prefill (--enable-chunked-prefill): "
+                "without it a prompt is computed whole in one step, so there is no chunk to cap"
             )
 
     def _check_kv_offload(self) -> None:
@@ -341,6 +373,15 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+
+    def for_kv_role(self, kv_role: str) -> "EngineConfig":
+        """This config on a worker of `kv_role` (--kv-transfer-config): a kv_producer with chunked prefill whose
+        long_prefill_token_threshold was not given takes 1/PRODUCER_PREFILL_SHARE of its step's token budget (the
+        class doc says why); any other role, or a threshold given (0 included), keeps the config as it is."""
+        if kv_role != "kv_producer" or self.long_prefill_token_threshold is not None or not self.enable_chunked_prefill:
+            return self
+        budget = self.budget_tokens(self.max_model_len or 1)  # with chunked prefill it does not depend on the context
+        return dataclasses.replace(self, long_prefill_token_threshold=max(1, budget // PRODUCER_PREFILL_SHARE))
 
 
 ENGINE_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(EngineConfig))

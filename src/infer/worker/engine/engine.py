@@ -196,6 +196,7 @@ class Engine:
                 release_window=release_window(self.model),
                 max_loras=config.max_loras if config.enable_lora else 0,
                 whole_images=bool(getattr(self.model, "bidirectional_images", False)),
+                long_prefill_token_threshold=config.long_prefill_token_threshold or 0,  # None: 0 (EngineConfig doc)
             )
         )
         self.offload: KvOffload | None = None  # the KV tiers beyond the pool (worker/kv/offload.py)

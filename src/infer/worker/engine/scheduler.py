@@ -17,6 +17,16 @@ Policy (vLLM v1 style, "unified" prefill/decode):
   (no skipping ahead). Without chunked prefill, waiting prompts are admitted before running decodes
   (a whole prompt must fit the budget, which decodes would otherwise eat), keeping back the blocks
   the running requests need this step.
+- Short prefills beside a long one (`long_prefill_token_threshold` T > 0, chunked prefill only; vLLM's name and
+  rule, but for verification chunks, which vLLM cuts too), under either policy: a chunk of more than one token that
+  is not a verification chunk (a prompt's, or a preempted or resumed request's recompute) takes at most T tokens in
+  a step, running and waiting requests alike.
+  What a long prompt leaves of the budget goes on, in the order above, to the requests after it: a waiting prompt
+  of up to T uncached tokens is admitted, prefilled whole and samples its first token in a step in which a long one
+  only advances (as far as the budget, seats and blocks go). Decodes and verification chunks are never cut. With
+  `whole_images`, a chunk that starts in an image still takes the image's rest whole (T is exceeded by at most that
+  image), so an image longer than T never stalls its request. The cost: a prompt of n uncached tokens takes at
+  least ceil(n / T) steps to prefill, even alone, instead of ceil(n / max_num_batched_tokens).
 Speculative decoding: `schedule(drafts)` takes draft tokens proposed for running requests that are decoding
 (one token to compute). Such a request's chunk becomes a verification chunk: its last token plus its drafts,
 `1 + len(draft_token_ids)` tokens counted in the token budget (drafts cut to what the budget leaves), with slots
@@ -37,9 +47,10 @@ on a beam of its own that waits for blocks); `fork` adds a beam beside its paren
 
 No starvation: the oldest unfinished request is never preempted by another (victims are the newest).
 With chunked prefill it is scheduled in every step: first among the running, or, when it waits, nothing
-else runs (newer requests are never admitted ahead of it) and it is admitted first. Without chunked
-prefill, admissions go first but stop at `max_num_seqs` running requests, so decodes are delayed only
-while free slots fill.
+else runs (newer requests are never admitted ahead of it) and it is admitted first. T leaves it at least
+one token a step, and what it leaves of the budget goes to newer requests in the same order as before.
+Without chunked prefill, admissions go first but stop at `max_num_seqs` running requests, so decodes are
+delayed only while free slots fill.
 
 Policy "priority" (`SchedulerConfig.policy`; vLLM's convention, lower `Request.priority` first): every
 request has a rank, `(priority, arrival)`, and "oldest" above becomes "best ranked". Running and waiting
@@ -91,6 +102,9 @@ class SchedulerConfig:
     # image (it stops before the image, or takes the image's rest whole, or the request waits for the budget), so
     # each image token's keys are in the pool or in its chunk (worker/engine/attention.py image_span_attention).
     whole_images: bool = False
+    # > 0 (chunked prefill only): the most tokens one request's prefill chunk takes in a step (module docstring,
+    # "Short prefills beside a long one"; vLLM's long_prefill_token_threshold). 0: a chunk takes all the budget left.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -113,6 +127,14 @@ class SchedulerConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "whole_images"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), got {threshold!r}")
+        if threshold and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"long_prefill_token_threshold ({threshold}) needs chunked prefill: without it a prompt is computed "
+                f"whole in one step, so there is no chunk to cap"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -528,7 +550,8 @@ class Scheduler:
         if drafts and self.block_manager.allocate(request, 1 + len(drafts), num_draft_tokens=len(drafts)):
             step.add(request, 1 + len(drafts), drafts)
             return True
-        num_new = self._image_bounded(request, min(request.num_tokens_to_compute, step.token_budget))
+        available = min(request.num_tokens_to_compute, step.token_budget)
+        num_new = self._chunk_size(request, request.num_computed_tokens, available)
         if num_new == 0:
             return True  # an image's rest does not fit this step's budget: it waits, holding its blocks
         if not self._allocate_or_preempt(request, num_new, step):
@@ -536,12 +559,27 @@ class Scheduler:
         step.add(request, num_new)
         return True
 
-    def _image_bounded(self, request: Request, num_new: int, start: int | None = None) -> int:
-        """With `whole_images`, a chunk of `num_new` tokens from `start` (default: the computed tokens) that would end
-        inside an image: cut back to the image's start, or 0 when it starts in the image (its rest does not fit)."""
+    def _chunk_size(self, request: Request, start: int, available: int) -> int:
+        """Tokens of `request` to compute from `start` when `available` of them fit this step (0: it must wait):
+        cut to `long_prefill_token_threshold` when over it (a decode's one token never is; an image the chunk starts
+        in is still taken whole), then with `whole_images` cut back so that the chunk never ends inside an image."""
+        threshold = self.config.long_prefill_token_threshold
+        num_new = available
+        if 0 < threshold < num_new:
+            num_new = max(threshold, min(available, self._image_rest(request, start)))
+        return self._image_bounded(request, num_new, start)
+
+    def _image_rest(self, request: Request, start: int) -> int:
+        """With `whole_images`, the tokens from `start` to the end of the image it falls in; else 0."""
+        if not self.config.whole_images:
+            return 0
+        return next((image.end - start for image in request.images if image.offset <= start < image.end), 0)
+
+    def _image_bounded(self, request: Request, num_new: int, start: int) -> int:
+        """With `whole_images`, a chunk of `num_new` tokens from `start` that would end inside an image: cut back to
+        the image's start, or 0 when it starts in the image (its rest does not fit)."""
         if not self.config.whole_images:
             return num_new
-        start = request.num_computed_tokens if start is None else start
         end = start + num_new
         for image in request.images:
             if image.offset < end < image.end:
@@ -642,7 +680,7 @@ class Scheduler:
         remaining = request.num_tokens - num_cached_blocks * self.config.block_size
         if self.config.enable_chunked_prefill:
             start = num_cached_blocks * self.config.block_size
-            return self._image_bounded(request, min(remaining, token_budget), start)
+            return self._chunk_size(request, start, min(remaining, token_budget))
         return remaining if remaining <= token_budget else 0
 
     def _blocks_needed_by_running(self) -> int:

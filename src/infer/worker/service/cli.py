@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
             if pp is not None and options.benchmark_mode:
                 raise ValueError("--benchmark-mode has no model, so no pipeline: leave out --pp-size")
             _check_kv_role(flags, config, options)
+            config = role_engine_config(config, options)
     except ValueError as e:
         parser.error(str(e))  # exit 2
     if (tp is not None and tp.rank is None) or (pp is not None and pp.rank is None):  # this DP rank's processes
@@ -178,6 +179,20 @@ def _check_kv_role(flags: WorkerFlags, config: EngineConfig, options: WorkerOpti
     for bad, why in refused:
         if bad:
             raise ValueError(f"--kv-transfer-config: {role} is not supported with {why}")
+
+
+def role_engine_config(config: EngineConfig, options: WorkerOptions) -> EngineConfig:
+    """`config` on this worker's KV role (EngineConfig.for_kv_role: a producer's default long_prefill_token_threshold),
+    logged when the role changed it."""
+    resolved = config.for_kv_role(options.kv.kv_role)
+    if resolved.long_prefill_token_threshold != config.long_prefill_token_threshold:
+        log.info(
+            "%s: prefill chunks capped at %d tokens a step, so short prompts are prefilled beside a long one "
+            "(--long-prefill-token-threshold N sets it, 0 turns it off)",
+            options.kv.kv_role,
+            resolved.long_prefill_token_threshold,
+        )
+    return resolved
 
 
 def _run(
