@@ -117,3 +117,31 @@ async def test_steps_longer_than_the_clients_silence_timeout_keep_the_direct_str
     assert [t for d in deltas for t in d.token_ids] == [3, 4, 5] and deltas[-1].finish_reason == "length"
     assert asks == [] and len(subscribes) == 1, (subscribes, asks)
     assert stats.requests_redispatched == 0
+
+
+async def test_a_stream_dispatched_during_a_long_step_is_served_after_it(cluster_factory, monkeypatch):
+    """A worker inside one step for 4 s at a time (a long prefill chunk on a CPU) is sent a second client's request
+    meanwhile: its Dispatch waits in the socket behind the step, the client's Subscribe waits for it (parked) past the
+    worker's 3 s wait for a Dispatch and the client's 2 s silence timeout. The parked client hears the worker's beats
+    during the step, and once the step ends the worker reads the Dispatch before its timers run: the stream is served
+    from its first token, the client never asks the coordinator where it went, nothing is dispatched again."""
+    cluster = cluster_factory()
+    cluster.coordinator()
+    cluster.worker(
+        0, "--benchmark-step-time", "4", "--coordinator-timeout", "3", "--heartbeat-interval", "0.2", benchmark=True
+    )
+    async with cluster.client() as first, cluster.client(heartbeat_interval=0.2, silence_timeout=2.0) as second:
+        await first.wait_for_workers(1, timeout=30)
+        running = first.stream([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).__aiter__()
+        head = await asyncio.wait_for(running.__anext__(), 30)  # its first step ended: the next one has begun
+        subscribes, asks = [], []
+        subscribe, ask = second._subscribe, second._ask_coordinator
+        monkeypatch.setattr(second, "_subscribe", lambda *a: (subscribes.append(a[1].request_id), subscribe(*a)))
+        monkeypatch.setattr(second, "_ask_coordinator", lambda r: (asks.append(r.request_id), ask(r)))
+        deltas = [d async for d in second.stream([5, 6], SamplingParams(max_tokens=2, ignore_eos=True))]
+        rest = [d async for d in running]
+        stats = await second.stats()
+    assert [t for d in deltas for t in d.token_ids] == [2, 3] and deltas[-1].finish_reason == "length"
+    assert [t for d in [head, *rest] for t in d.token_ids] == [3, 4, 5]
+    assert asks == [] and len(subscribes) == 1, (subscribes, asks)
+    assert stats.requests_redispatched == 0

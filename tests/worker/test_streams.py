@@ -193,3 +193,14 @@ def test_readers_of_running_streams_get_a_heartbeat_each_interval():
     assert table.take() == []
     table.tick(2.0)
     assert [type(m) for p, m in table.take() if p == ALICE] == [Heartbeat]
+
+
+def test_a_subscriber_that_waits_for_its_dispatch_hears_the_beats_then_its_stream():
+    """A Subscribe that came before its Dispatch (the worker busy in a long step): its peer gets the heartbeats, so
+    that its client does not take the step for a lost worker, and the stream once the Dispatch opens it."""
+    table = _table()
+    _subscribe(table, now=0.0)
+    table.beat(1.0)  # the shell's heartbeat thread, during the step
+    assert [type(m) for p, m in table.take() if p == ALICE] == [Heartbeat]
+    _run(table)  # the Dispatch, read after the step
+    assert [d.text for d, _, _ in _batches(table, ALICE)] == ["He", "ll", "o"]

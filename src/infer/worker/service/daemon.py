@@ -203,9 +203,12 @@ class Worker:
             self._flush()
             self._receive(self._poll_timeout())
             core.check_signals(time.monotonic())
-            self._advance()
+            # the timers run on what the sockets held, never right after a step: a step can outlast a timer
+            # (a long prefill's chunk, seconds), and what came meanwhile (a Dispatch that a parked Subscribe
+            # waits for) is read first
             now = time.monotonic()
             core.tick(now, inbox_empty=not (core.silence_due(now) and self.sock.poll(0, zmq.POLLIN)))
+            self._advance()
             if core.drained(time.monotonic()):
                 self._flush()
                 if self.group is not None:  # the group cannot step without this rank: it leaves too

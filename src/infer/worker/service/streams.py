@@ -165,12 +165,15 @@ class StreamTable:
         self.beat(now)
 
     def beat(self, now: float) -> None:
-        """Every heartbeat interval, each reader of a running stream gets a Heartbeat (its silence watchdog); also
-        from the shell's heartbeat thread during a long engine step, so that no reader takes the step for a lost
-        worker."""
+        """Every heartbeat interval, each reader of a running stream and each peer whose Subscribe waits for its
+        Dispatch gets a Heartbeat (its silence watchdog); also from the shell's heartbeat thread during a long
+        engine step, so that no reader takes the step for a lost worker. (A Dispatch that comes during a step is
+        read after it: its reader, parked meanwhile, hears the worker is there.)"""
         if now - self._last_beat >= self.heartbeat_interval:
             self._last_beat = now
-            for peer in {s.subscriber for s in self.streams.values() if s.subscriber is not None}:
+            peers = {s.subscriber for s in self.streams.values() if s.subscriber is not None}
+            peers.update(peer for waiting in self._early.values() for peer in waiting)
+            for peer in peers:
                 self._replies.append((peer, Heartbeat(sent_at=now)))
 
     def _unpark(self, request_id: str, peer: bytes) -> Subscribe:
