@@ -318,9 +318,12 @@ class EngineConfig:
             )
 
     def _check_kv_offload(self) -> None:
-        gb, path = self.kv_offload_gb, self.kv_offload_dir
-        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < float("inf")):
-            raise ValueError(f"kv_offload_gb must be a number of GiB > 0, got {gb!r}")
+        gb, path, host = self.kv_offload_gb, self.kv_offload_dir, self.kv_offload_host_gb
+        for name, value in (("kv_offload_gb", gb), ("kv_offload_host_gb", host)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
+            ):
+                raise ValueError(f"{name} must be a number of GiB > 0, got {value!r}")
         if path is not None and (not isinstance(path, str) or not path):
             raise ValueError(f"kv_offload_dir must be a non-empty directory path, got {path!r}")
         if (path is None) != (gb is None):
@@ -330,11 +333,6 @@ class EngineConfig:
             )
         if path is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offload_dir spills prefix-cache blocks: it needs enable_prefix_caching")
-        host = self.kv_offload_host_gb
-        if host is not None and (
-            isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 < host < float("inf")
-        ):
-            raise ValueError(f"kv_offload_host_gb must be a number of GiB > 0, got {host!r}")
         if host is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offload_host_gb spills prefix-cache blocks: it needs enable_prefix_caching")
 

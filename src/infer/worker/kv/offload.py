@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +72,7 @@ class HostTier:
 
     def __init__(self, kv: KVCache, max_bytes: int) -> None:
         device = kv.k[0].device
-        block_bytes = block_bytes_of(kv)
+        block_bytes = kv.block_bytes
         num_slots = max_bytes // block_bytes
         if num_slots < 1:
             raise ValueError(f"kv_offload_host_gb holds no block: {max_bytes} bytes, one block takes {block_bytes}")
@@ -128,7 +127,7 @@ class KvOffload:
         host = None if host_bytes is None else HostTier(kv, host_bytes)
         store = None
         if root is not None and disk_bytes is not None and model is not None:
-            store = DiskStore(root, model.fingerprint(kv, version=0), disk_bytes, block_bytes_of(kv))
+            store = DiskStore(root, model.fingerprint(kv, version=0), disk_bytes, kv.block_bytes)
             log.info("KV offload: blocks spill to %s, at most %d bytes", store.path, disk_bytes)
         return cls(kv, blocks, host, store, model)
 
@@ -200,7 +199,7 @@ class KvOffload:
         if self.store is not None:
             payload = self.store.load(block_hash, digest)
             if payload is not None:
-                return self._tensor(payload)
+                return self.kv.block_from_bytes(payload)
         return None
 
     def spill_evicted(self) -> int:
@@ -307,15 +306,6 @@ class KvOffload:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
-
-    def _tensor(self, payload: memoryview) -> torch.Tensor:
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return flat.view(self.kv.k[0].dtype).view(self.kv.block_shape)
-
-
-def block_bytes_of(kv: KVCache) -> int:
-    """One block of every pool tensor, in bytes (what a tier stores a block as)."""
-    return torch.empty((), dtype=kv.k[0].dtype).element_size() * math.prod(kv.block_shape)
 
 
 def _bytes_of(block: torch.Tensor) -> Callable[[], bytes]:

@@ -60,11 +60,7 @@ class KvPort:
 
     @property
     def block_bytes(self) -> int:
-        shape = self.kv.block_shape
-        size = torch.empty((), dtype=self.kv.k[0].dtype).element_size()
-        for n in shape:
-            size *= n
-        return size
+        return self.kv.block_bytes
 
     def fingerprint(self, weight_version: int) -> bytes:
         parts = [self.model_id, str(weight_version), str(self.kv.k[0].dtype), repr(self.kv.block_shape)]
@@ -111,7 +107,7 @@ class KvPort:
         if self.offload is not None:  # what taking those blocks evicted, before their KV is overwritten
             self.offload.spill_evicted()
         for block_id, payload in zip(ids, wanted, strict=False):
-            self.kv.write_block(block_id, self._tensor(payload))
+            self.kv.write_block(block_id, self.kv.block_from_bytes(payload))
         self.received_blocks += len(ids)
         self.dropped_blocks += len(payloads) - len(ids) - max(0, min(skip, len(payloads)))
         return len(ids) + max(0, min(skip, len(payloads)))
@@ -122,10 +118,6 @@ class KvPort:
         probe = Request("kv-transfer", list(token_ids), SamplingParams(max_tokens=1, lora_name=lora_name))
         probe.lora_id, probe.cache_salt = self.lora_id(lora_name), adapter_salt(lora_name)
         return probe
-
-    def _tensor(self, payload: bytes) -> torch.Tensor:
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return flat.view(self.kv.k[0].dtype).view(self.kv.block_shape)
 
     def counters(self) -> dict[str, Any]:
         return {
