@@ -393,6 +393,123 @@ def test_a_producer_streams_the_first_token_then_hands_off_once_the_transfer_end
     assert handoff.error == "KV transfer: stored 2 of 2 blocks"
 
 
+def test_answers_read_during_a_step_hand_off_without_touching_the_engine(monkeypatch):
+    """The shell's heartbeat thread reads a producer's KV links while the engine steps: the transfer ends there and
+    its request goes back at once, in a frame with the last load the engine reported (the engine, mid-step on the
+    other thread, is not asked)."""
+    from worker_harness import deltas, dispatch
+
+    from infer.protocol.messages import StepBatch
+
+    h = producer_harness(ExportingPort())
+    h.send(dispatch("r", max_tokens=8, kv_consumer_address="tcp://127.0.0.1:6001", kv_consumer_key=""))
+    h.step()
+    (offer,) = h.core.take_kv_outgoing()
+    receiver = KvReceiver(FakePort())
+    for name in ("load", "take_kv_events", "take_pending", "step"):
+        monkeypatch.setattr(h.engine, name, lambda *a, name=name: pytest.fail(f"engine.{name} called mid-step"))
+    h.core.on_kv_answer([encode(receiver.on_message(offer[2], b"fp0"))], h.now, during_step=True)
+    (blocks,) = h.core.take_kv_outgoing()
+    assert h.core.kv_transfers_during_step(h.now)  # under way: the thread looks again soon
+    h.core.on_kv_answer([encode(receiver.on_message(blocks[2], b"fp0"))], h.now, during_step=True)
+    (batch,) = h.out()
+    assert isinstance(batch, StepBatch) and batch.load == h.core.last_load and batch.kv_events is None
+    (handoff,) = deltas([batch])
+    assert handoff.error_code == "kv_handoff" and handoff.error == "KV transfer: stored 2 of 2 blocks"
+    assert not h.core.kv_transfers_during_step(h.now)
+
+
+def test_a_stalled_transfer_ends_at_its_deadline_during_a_step(monkeypatch):
+    from worker_harness import deltas, dispatch
+
+    h = producer_harness(ExportingPort())
+    h.send(dispatch("r", max_tokens=8, kv_consumer_address="tcp://127.0.0.1:6001", kv_consumer_key=""))
+    h.step()
+    h.core.take_kv_outgoing()
+    monkeypatch.setattr(h.engine, "load", lambda: pytest.fail("engine.load called mid-step"))
+    assert h.core.kv_transfers_during_step(h.now + 2.9) and not h.out()
+    assert not h.core.kv_transfers_during_step(h.now + 3.1)
+    (handoff,) = deltas(h.out())
+    assert handoff.error_code == "kv_handoff" and "timed out after 3 s" in handoff.error
+
+
+def test_a_producer_in_a_long_step_hands_off_before_the_step_ends():
+    """A real worker shell (its sockets and heartbeat thread) over BenchmarkEngine with 2 s steps, a stand-in
+    coordinator and a stand-in consumer on loopback: a request handed off after the first step is given back to the
+    coordinator during the second step (its consumer's answers read beside it), not after it, as the other request's
+    next token shows: it comes after the hand-off."""
+    import threading
+
+    import zmq
+    from worker_harness import dispatch
+
+    from infer.protocol.messages import Control, ControlAck, StepBatch, Welcome, decode
+    from infer.protocol.transport import frames_for, make_socket
+    from infer.worker.service.benchmark_engine import BenchmarkEngine
+    from infer.worker.service.daemon import Worker
+
+    ctx = zmq.Context()
+    coordinator, consumer = make_socket(ctx, zmq.ROUTER), make_socket(ctx, zmq.ROUTER)
+    coordinator.bind("tcp://127.0.0.1:*")
+    consumer.bind("tcp://127.0.0.1:*")
+    engine = BenchmarkEngine(EngineConfig(max_num_seqs=4, max_model_len=64), step_time=2.0)
+    engine.kv_port = ExportingPort()
+    options = WorkerOptions(
+        coordinator=coordinator.getsockopt(zmq.LAST_ENDPOINT).decode(),
+        worker_id="producer",
+        heartbeat_interval=0.5,
+        coordinator_timeout=30.0,
+        drain_timeout=0.0,
+        kv_transfer_config=KvTransferConfig("kv_producer", kv_transfer_timeout=60.0, kv_shm_dir=""),
+    )
+    worker = Worker(engine, options, ctx)
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(worker.run()), daemon=True)
+    thread.start()
+    receiver, poller, seen = KvReceiver(FakePort()), zmq.Poller(), []
+    poller.register(coordinator, zmq.POLLIN)
+    poller.register(consumer, zmq.POLLIN)
+    peer = None
+    try:
+        while True:
+            events = dict(poller.poll(30_000))
+            assert events, f"nothing for 30 s; seen {seen}"
+            if consumer in events:
+                producer, frame = consumer.recv_multipart()
+                msg = decode(frame)
+                seen.append(msg.TYPE)
+                consumer.send_multipart(frames_for(receiver.on_message(msg, b"fp0"), producer))
+            if coordinator not in events:
+                continue
+            peer, frame = coordinator.recv_multipart()
+            msg = decode(frame)
+            if msg.TYPE == "hello":
+                coordinator.send_multipart(frames_for(Welcome(coordinator_id="c", state="running"), peer))
+                for rid, target in (("long", None), ("r", consumer.getsockopt(zmq.LAST_ENDPOINT).decode())):
+                    extra = {"kv_consumer_address": target, "kv_consumer_key": ""} if target else {}
+                    coordinator.send_multipart(frames_for(dispatch(rid, max_tokens=8, **extra), peer))
+            elif isinstance(msg, StepBatch):
+                seen += [f"{d.request_id}:{d.error_code or len(d.token_ids)}" for d in msg.deltas]
+                if any(d.request_id == "long" for d in msg.deltas) and seen.count("long:1") == 2:
+                    break
+        assert "r:kv_handoff" in seen and seen.index("r:kv_handoff") < len(seen) - 1, seen
+        assert seen[seen.index("r:kv_handoff") + 1 :] == ["long:1"], seen  # the second step's token came after it
+        assert [t for t in seen if t in ("kv_offer", "kv_blocks")] == ["kv_offer", "kv_blocks"], seen
+        coordinator.send_multipart(frames_for(Control(command="stop"), peer))
+        while not isinstance(decode(coordinator.recv_multipart()[1]), ControlAck):
+            pass
+        thread.join(30)
+        assert codes == [0]
+    finally:  # a failed assertion leaves the worker running: its drain (drain_timeout 0) ends it
+        if thread.is_alive():
+            worker.request_drain()
+            thread.join(30)
+        coordinator.close(0)
+        consumer.close(0)
+        if not thread.is_alive():  # else term would wait for the worker's sockets
+            ctx.term()
+
+
 def test_a_stalled_transfer_hands_off_at_its_deadline_and_an_abort_cancels_it():
     from worker_harness import deltas, dispatch
 

@@ -343,8 +343,10 @@ class WorkerCore:
         self._kv_handed[delta.request_id] = delta
         return True
 
-    def _finish_transfers(self, now: float) -> None:
-        """Transfers that ended: their requests go back to the coordinator, which continues each on its consumer."""
+    def _finish_transfers(self, now: float, during_step: bool = False) -> None:
+        """Transfers that ended: their requests go back to the coordinator, which continues each on its consumer.
+        `during_step`: called by the shell's heartbeat thread while the engine steps on the loop's thread, so the
+        engine is not touched: the frame carries the load the last step reported."""
         sender = self.kv_sender
         if sender is None:
             return
@@ -358,12 +360,18 @@ class WorkerCore:
                     delta, error_code=ErrorCode.KV_HANDOFF, error=f"KV transfer: {transfer.outcome}"
                 )
             )
-        if ended:
+        if not ended:
+            return
+        if during_step:
+            self._send(StepBatch(deltas=ended, load=self.last_load), now)
+        else:
             self._outbox.extend(ended)
             self._send_step_batch([], now)
 
-    def on_kv_answer(self, frames: list[bytes], now: float) -> None:
-        """A consumer's answer on a producer's KV link."""
+    def on_kv_answer(self, frames: list[bytes], now: float, during_step: bool = False) -> None:
+        """A consumer's answer on a producer's KV link; `during_step`: read by the shell's heartbeat thread while an
+        engine step runs (a hand-off's exchange then goes on beside a long prefill chunk instead of waiting for its
+        end: `_finish_transfers`)."""
         if self.kv_sender is None or len(frames) != 1:
             return
         try:
@@ -372,7 +380,17 @@ class WorkerCore:
             self._warn.warning("a bad frame from a KV consumer: %s", e)
             return
         self.kv_sender.on_message(msg)
-        self._finish_transfers(now)
+        self._finish_transfers(now, during_step)
+
+    def kv_transfers_during_step(self, now: float) -> bool:
+        """Called by the shell's heartbeat thread while an engine step runs: transfers past their deadline end (their
+        requests go back as in `tick`); whether any is still under way (the thread then looks at the KV links
+        often)."""
+        if self.kv_sender is None:
+            return False
+        self.kv_sender.tick(now)
+        self._finish_transfers(now, during_step=True)
+        return bool(self.kv_sender.transfers)
 
     def on_kv_frame(self, peer: bytes, frames: list[bytes], now: float) -> None:
         """A producer's frame on this consumer's KV socket: answered (take_kv_replies)."""

@@ -9,7 +9,8 @@ that step's deltas as one StepBatch, keep the link alive (heartbeats, re-registr
 Liveness does not depend on step length: the loop's thread owns the socket except during an engine step (or
 an add_request, which tokenizes), when it hands it (a lock: a full memory barrier, so one thread at a time
 uses it) to a heartbeat thread that sends a Heartbeat each interval the step lasts, with the last load and
-the step's age (`step_age_s`), beats to each direct stream's reader and takes the stream socket's Subscribes.
+the step's age (`step_age_s`), beats to each direct stream's reader, takes the stream socket's Subscribes, and
+reads a producer's KV links (a hand-off's exchange with its consumer, and its end, go on beside the step).
 A stopped process (SIGSTOP) stops both threads, so silence still means hung; an engine stuck inside one step
 shows in the age (the coordinator's --max-step-time).
 
@@ -73,6 +74,9 @@ log = logging.getLogger("infer.worker")
 _CLOSE_LINGER_MS = 2000  # how long the final frames may take to leave on exit
 _MAX_FRAMES_PER_TURN = 4096  # frames handled between two engine steps, so a flood cannot starve the engine
 _CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+# how often the heartbeat thread reads the KV links during a step while transfers are under way: each of a hand-off's
+# two round trips waits at most this for the producer, not for its step's end
+_KV_ANSWER_POLL_S = 0.01
 
 
 class Worker:
@@ -352,7 +356,9 @@ class Worker:
         a CPU) sets off no re-attach (see the module doc). The loop's thread is inside engine code meanwhile,
         which touches neither the core's streams nor the sockets."""
         interval = self.options.heartbeat_interval
-        while not self._beats_stop.wait(interval / 4):
+        wait = interval / 4
+        while not self._beats_stop.wait(wait):
+            wait = interval / 4
             if self._step_started is None or not self._socket_lock.acquire(blocking=False):
                 continue
             try:
@@ -360,6 +366,10 @@ class Worker:
                 if started is not None:
                     if self.stream_sock is not None:
                         self._receive_streams(self.stream_sock)
+                    if self.kv is not None:  # a hand-off's exchange goes on beside the step (a long prefill chunk)
+                        self.kv.receive_answers(during_step=True)
+                        if self.core.kv_transfers_during_step(time.monotonic()):
+                            wait = min(wait, _KV_ANSWER_POLL_S)
                     self.core.beat_during_step(time.monotonic(), started)
                     self._flush()
             finally:

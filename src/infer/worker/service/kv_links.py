@@ -174,15 +174,18 @@ class KvLinks:
                     break
                 if len(frames) >= 2:
                     self.core.on_kv_frame(frames[0], frames[1:], time.monotonic())
-        for sock in list(self.links.values()):
-            if sock not in events:
-                continue
+        self.receive_answers([sock for sock in self.links.values() if sock in events])
+
+    def receive_answers(self, links: Sequence[zmq.Socket] | None = None, during_step: bool = False) -> None:
+        """Every consumer's answer waiting on `links` (None: every link; `during_step`: from the worker's heartbeat
+        thread while the engine steps, see WorkerCore.on_kv_answer)."""
+        for sock in list(self.links.values()) if links is None else links:
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self.core.on_kv_answer(frames, time.monotonic())
+                self.core.on_kv_answer(frames, time.monotonic(), during_step)
 
     def flush(self) -> None:
         """What the core queued: a consumer's answers, a producer's frames."""
