@@ -38,9 +38,10 @@ def moe_model(tmp_path_factory, smollm2_tokenizer):
 
 
 class GroupAndDense:
-    """A coordinator, the EP group A0 + A1 (each drains in 30 s at most) and D; `rank` by name once ready."""
+    """A coordinator, the EP group A0 + A1 (each drains in 30 s at most) and D (unless not `dense`); `rank` by name
+    once ready."""
 
-    def __init__(self, cluster_factory, model) -> None:
+    def __init__(self, cluster_factory, model, dense: bool = True) -> None:
         from ports import reserved_port
 
         self.cluster = cluster_factory()
@@ -53,7 +54,8 @@ class GroupAndDense:
             for r in range(2)
         }
         # the highest rank, whatever the start order: an idle rank of the group would win a tie of loads against D
-        self.procs["D"] = self.cluster.worker(2, *ENGINE_FLAGS, *KV_PORT, model=model, dp_rank=2)
+        if dense:
+            self.procs["D"] = self.cluster.worker(2, *ENGINE_FLAGS, *KV_PORT, model=model, dp_rank=2)
         self.rank: dict[str, int] = {}
 
     async def ready(self, client, wait_until) -> None:
@@ -231,10 +233,30 @@ async def test_the_idle_rank_leaves_first_its_peer_ships_anyway_and_keeps_its_re
     assert not both.kv_targets("A0")
 
 
+async def test_with_nowhere_to_move_the_idle_rank_stays_until_its_peer_s_requests_finish(
+    cluster_factory, moe_model, wait_until
+):
+    """No other worker (no KV target): streams on A1 only, SIGTERM to the group. A0's own drain is over at once, but
+    A1's requests cannot step without it: A0 stays in the group's rounds (dummy forwards) until they finish, then both
+    leave and exit 0. Every stream equals the undisturbed run's; none is given back or computed again."""
+    on = ["A1", "A1", "A1", "A1"]
+    both = GroupAndDense(cluster_factory, moe_model, dense=False)
+    async with both.cluster.client() as client:
+        await both.ready(client, wait_until)
+        reference = await both.reference(client, on)
+        assert await both.stream_and_strike(client, on, both.drain_group) == reference
+        assert both.procs["A0"].wait(30) == 0 and both.procs["A1"].wait(30) == 0
+        assert (await client.stats()).requests_redispatched == 0
+    assert "drains: 0 of 4 request(s) move with their KV" in both.cluster.procs[0].text()
+    for name in ("A0", "A1"):
+        assert "giving back" not in both.procs[name].text() and "fatal" not in both.procs[name].text()
+
+
 async def test_a_rank_killed_mid_drain_still_ends_every_stream_exactly(cluster_factory, moe_model, wait_until):
     """D is stopped, so the group's moves wait on it; once both ranks ship, A1 is killed -9 and D continues. A1's
-    requests are recomputed elsewhere (a dead worker's move as before); A0, its group broken, gives its own back or
-    ships them, and exits; every stream equals the undisturbed run's, in bounded time."""
+    requests are recomputed elsewhere (a dead worker's move as before); A0, its group broken during the drain, goes on
+    shipping its own (as if A1 had left in order) and exits 0; every stream equals the undisturbed run's, in bounded
+    time."""
     on = ["A0", "A1", "A0", "A1"]
     both = GroupAndDense(cluster_factory, moe_model)
     async with both.cluster.client() as client:
@@ -257,5 +279,6 @@ async def test_a_rank_killed_mid_drain_still_ends_every_stream_exactly(cluster_f
 
         assert await both.stream_and_strike(client, on, strike) == reference
         assert time.monotonic() - started < 60
-        both.procs["A0"].wait(30)  # it ends (its status depends on whether its moves ended before the group broke)
+        assert both.procs["A0"].wait(30) == 0
         assert (await client.stats()).requests_redispatched > 0
+    assert "fatal" not in both.procs["A0"].text()

@@ -612,7 +612,7 @@ def test_a_move_stalled_past_the_drain_timeout_goes_back_at_the_deadline():
     assert moved.error_code == "kv_handoff" and "drain timeout" in moved.error
 
 
-def test_without_an_answer_or_a_kv_port_a_drain_is_as_before():
+def test_without_an_answer_or_a_kv_port_a_drain_runs_its_requests_here_and_says_it_drains():
     from worker_harness import WorkerHarness, deltas, dispatch
 
     from infer.protocol.messages import DrainMoves
@@ -626,7 +626,10 @@ def test_without_an_answer_or_a_kv_port_a_drain_is_as_before():
     plain.send(dispatch("a", max_tokens=50))
     plain.step()
     plain.core.signals += 1
-    assert not [m for m in plain.step() if isinstance(m, DrainMoves)]
+    # no KV port: nothing moves, but the coordinator hears the drain at once (not at the first Dispatch refused)
+    assert [m.request_ids for m in plain.step() if isinstance(m, DrainMoves)] == [[]]
+    plain.step()
+    assert not plain.core.drained(plain.now)  # its request runs here
     plain.now += 31
     assert plain.core.drained(plain.now)
     (given_back,) = deltas(plain.out())

@@ -162,8 +162,9 @@ class Relay:
             )
 
     def on_drain_moves(self, identity: bytes, msg: DrainMoves, now: float) -> None:
-        """A worker with a KV port drains and asks where its running requests go (docs/architecture.md, "A drain
-        that moves KV"): out of routing now; each of its requests that another worker can take gets a target."""
+        """A worker drains and, with a KV port, asks where its running requests go (docs/architecture.md, "A drain
+        that moves KV"): out of routing now; each of its requests that another worker can take gets a target (one
+        without a KV port names none: it only says it drains)."""
         worker = self.books.workers.by_identity.get(identity)
         if worker is None or not worker.healthy:
             self.unknown_worker(identity, worker, [])
@@ -178,12 +179,13 @@ class Relay:
             move = self.admission.move_target(request, worker)
             if move is not None:
                 moves.append(move)
-        log.info(
-            "worker %s drains: %d of %d request(s) move with their KV",
-            safe(worker.worker_id),
-            len(moves),
-            len(msg.request_ids),
-        )
+        if msg.request_ids:
+            log.info(
+                "worker %s drains: %d of %d request(s) move with their KV",
+                safe(worker.worker_id),
+                len(moves),
+                len(msg.request_ids),
+            )
         self.outbox.send(identity, MoveTargets(moves=moves))
 
     def on_drain_worker(self, identity: bytes, msg: DrainWorker, now: float) -> None:

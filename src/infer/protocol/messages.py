@@ -1307,8 +1307,9 @@ class KvStored(Message, frozen=True):
 
 @message
 class DrainMoves(Message, frozen=True):
-    """Worker (with a KV port) -> coordinator: it drains (SIGTERM, DrainWorker, its EP group draining) and would move
-    these running requests, with their KV blocks, to the workers that continue them (none: it only says it drains).
+    """Worker -> coordinator: it drains (SIGTERM, DrainWorker, its EP group draining) and would move these running
+    requests, with their KV blocks, to the workers that continue them (none, as from a worker without a KV port: it
+    only says it drains).
     The coordinator routes nothing new to it, nor to its EP group, from now on and answers MoveTargets; requests it
     names no target for stay and finish here within the drain timeout."""
 

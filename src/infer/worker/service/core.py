@@ -420,11 +420,15 @@ class WorkerCore:
     # ---- a drain that moves requests with their KV (docs/architecture.md, "A drain that moves KV") ----------
 
     def _ask_moves(self, now: float) -> None:
-        """The drain starts on a worker with a KV port: ask the coordinator where its requests go on (DrainMoves).
+        """The drain starts: a worker with a KV port asks the coordinator where its requests go on (DrainMoves).
         Until MoveTargets answers (and for the requests it names no target for) they run here, as in any drain. With
-        nothing to move it asks anyway: the coordinator then knows it drains (and its EP group with it) and routes
-        nothing more to it or its group."""
-        if self.kv_sender is None or not self.ever_welcomed:
+        nothing to move, or no KV port, it sends DrainMoves with no request: the coordinator then knows it drains
+        (and its EP group with it) and routes nothing more to it or its group, instead of hearing it at its first
+        refusal."""
+        if not self.ever_welcomed:
+            return
+        if self.kv_sender is None:  # nothing can move: it only says it drains (its EP group with it)
+            self._send(DrainMoves(request_ids=[]), now)
             return
         movable = [rid for rid in self._requests if rid not in self._kv_transferring]
         self._send(DrainMoves(request_ids=movable), now)

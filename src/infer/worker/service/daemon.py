@@ -213,12 +213,19 @@ class Worker:
             now = time.monotonic()
             core.tick(now, inbox_empty=not (core.silence_due(now) and self.sock.poll(0, zmq.POLLIN)))
             self._advance()
-            if core.drained(time.monotonic()):
+            if core.drained(time.monotonic()) and not self._mates_need_steps():
                 self._flush()
                 if self.group is not None:  # the group cannot step without this rank: it leaves too
                     self._leave_group(self.group, "drained")
                 log.info("drained; exiting")
                 return EXIT_OK
+
+    def _mates_need_steps(self) -> bool:
+        """An EP rank whose own drain is over stays in its group while the group's rounds have work: its mates'
+        requests that did not move (no worker could take them) cannot step without it, and finish within their
+        drain timeout instead of being given back and computed again elsewhere."""
+        group = self.group
+        return group is not None and not self.core.group_gone and group.active
 
     def _flush(self) -> None:
         """The coordinator's frames, then the stream sockets': a step's StepBatch (the ends of its requests) leaves
@@ -331,7 +338,8 @@ class Worker:
             with self._socket_handed_over():
                 return step()
         except GroupBroken as e:  # raised by a MoE layer's exchange: a member of the group is gone
-            self.core.group_broken(str(e), time.monotonic())
+            self._group_broke(str(e))
+            return self.engine.take_pending()
         except Exception as e:  # the engine fails single requests itself; this is the engine broken: exit 1
             log.exception("engine step failed")
             self.core.engine_broken(e, time.monotonic())
@@ -397,7 +405,9 @@ class Worker:
         try:
             agreed = group.agree(has_work, self._leaving is not None, core.draining)
         except GroupBroken as e:
-            core.group_broken(str(e), time.monotonic())
+            self._group_broke(str(e))
+            core.after_step(self.engine.take_pending(), time.monotonic(), refit=False)
+            return self._flush()
         self._last_round = time.monotonic()
         if agreed.draining and self._leaving is None:  # a mate drains (or this rank): the whole group drains
             core.group_drains(time.monotonic())
@@ -415,6 +425,17 @@ class Worker:
             outputs = self.engine.take_pending()
         core.after_step(outputs, time.monotonic(), refit=False)
         self._flush()
+
+    def _group_broke(self, reason: str) -> None:
+        """A member of the EP group is gone (killed, or its link broke). Not draining, this rank gives its requests
+        back and exits 1 (WorkerCore.group_broken); draining, as when a member leaves in order: its moves under way
+        go on shipping KV, the requests that would need a step are given back, and it exits 0 once drained."""
+        if self.group is not None and self.core.draining and not self.core.group_gone:
+            self.core.group_left(f"EP group {self.core.group_id!r} broke ({reason})", time.monotonic())
+            if self.core.group_gone:
+                self.poller.unregister(self.group.wake_socket)
+            return
+        self.core.group_broken(reason, time.monotonic())
 
     def _leave_group(self, group: GroupSync, reason: str) -> None:
         """Tell the group this rank is leaving (one last round), so the others leave too instead of hanging
