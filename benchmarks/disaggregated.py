@@ -9,7 +9,10 @@ Two clusters in one run, each started by `infer-serve` as the README does (the e
 On each: `--streams` greedy streams run at once (short random prompts, `--tokens` tokens each, each stream started
 again when it ends, until the last long prompt is answered), and while they run a long prompt of `--prompt-len`
 random token ids (distinct each time: no prefix-cache hit) arrives `--every` seconds after the previous one was
-answered, `--long` of them, each generating a few tokens. Measured per cluster, pooled over its streams:
+answered, `--long` of them, each generating a few tokens; `--long-at-once K` sends K such prompts together each time
+(K = 2: on the kv_both cluster least-loaded routing gives one to each worker, so no stream has a worker free of a
+long prefill to run on; with one at a time, new streams go to the other worker and only those already beside the long
+prompt stall, a few gaps in a thousand). Measured per cluster, pooled over its streams:
 
     ITL            gaps between a stream's consecutive token-carrying deltas: p50, p99, max
     ITL in prefill the gaps that overlap a long prompt's prefill (from its submission to its first token): p50,
@@ -27,7 +30,7 @@ of the step's budget (512 tokens), the others do not cap. To measure short-strea
 without the cap, run twice: `--long-prefill-token-threshold 0` (no cap anywhere) and `... 512`.
 
     .venv/bin/python benchmarks/disaggregated.py [--prompt-len 8000] [--streams 4] [--tokens 256] [--long 3]
-                                                 [--every 4] [--model M] [--threads 1]
+                                                 [--every 4] [--long-at-once 1] [--model M] [--threads 1]
                                                  [--long-prefill-token-threshold N]
 """
 
@@ -121,7 +124,8 @@ async def measure(address: str, args: argparse.Namespace, rng: random.Random) ->
         windows = []
         for _ in range(args.long):
             await asyncio.sleep(args.every)
-            windows.append(await long_prompt(client, [rng.randrange(3, 30000) for _ in range(args.prompt_len)]))
+            prompts = [[rng.randrange(3, 30000) for _ in range(args.prompt_len)] for _ in range(args.long_at_once)]
+            windows += await asyncio.gather(*(long_prompt(client, prompt) for prompt in prompts))
         await asyncio.sleep(args.every)
         done.set()
         gaps = [g for task in streams for g in await task]
@@ -155,6 +159,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--long", type=int, default=3)
     p.add_argument("--every", type=float, default=4.0)
+    p.add_argument("--long-at-once", type=int, default=1, metavar="K", help="long prompts sent together each time")
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
