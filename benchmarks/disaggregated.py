@@ -21,7 +21,8 @@ prompt stall, a few gaps in a thousand). Measured per cluster, pooled over its s
     TTFT           of the long prompts: p50, max; of the short streams: p50, max, and how many streams ran (a
                    producer busy with a long prefill delays the prefill of every stream that starts meanwhile)
 
-The table prints pd against both (ratios); benchmarks/results/disaggregated-*.json holds every gap.
+The table prints pd against both (ratios); benchmarks/results/disaggregated-*.json holds every gap and each worker's
+counters at the end (preemptions, prefix-cache queries and hits, KV blocks sent, received and dropped).
 
 `--long-prefill-token-threshold N` is given to every worker of both clusters (infer-serve's flag of that name): the
 producer, the consumer (where it cuts only a recompute's chunks) and both kv_both workers, so the two clusters run
@@ -52,6 +53,15 @@ from infer.client.inference_client import InferenceClient
 from infer.protocol.sampling import SamplingParams
 
 CONFIGS = {"pd": ["--kv-roles", "kv_producer,kv_consumer"], "both": []}
+# each worker's, recorded at the end (a consumer that recomputed shows dropped blocks, preemptions or fewer hits)
+WORKER_COUNTERS = (
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "kv_transfer_sent_blocks",
+    "kv_transfer_received_blocks",
+    "kv_transfer_dropped_blocks",
+)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -129,6 +139,11 @@ async def measure(address: str, args: argparse.Namespace, rng: random.Random) ->
         await asyncio.sleep(args.every)
         done.set()
         gaps = [g for task in streams for g in await task]
+        await asyncio.sleep(1.5)  # a heartbeat or two: the workers' counters after their last steps
+        counters = {
+            f"dp{w.dp_rank}": {name: getattr(w.load, name) for name in WORKER_COUNTERS}
+            for w in (await client.stats()).workers
+        }
     within = [end - start for start, end in gaps if any(start < w_end and end > w_start for w_start, w_end in windows)]
     ttfts = [first - started for started, first in windows]
     overall = summary([end - start for start, end in gaps])
@@ -149,6 +164,7 @@ async def measure(address: str, args: argparse.Namespace, rng: random.Random) ->
         "gaps_ms": [round(1000 * (end - start), 3) for start, end in gaps],
         "prefill_gaps_ms": [round(1000 * g, 3) for g in within],
         "long_ttft_s": ttfts,
+        "workers": counters,
     }
 
 
