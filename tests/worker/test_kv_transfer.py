@@ -510,6 +510,52 @@ def test_a_producer_in_a_long_step_hands_off_before_the_step_ends():
             ctx.term()
 
 
+def test_frames_past_a_full_link_wait_in_order_and_those_of_ended_transfers_are_dropped():
+    """The producer's KV link (worker/service/kv_links.py) queues at most SNDHWM frames in zmq; the rest (two long
+    prompts' blocks handed off at once) waited nowhere: they were dropped and their transfers timed out (10 s of a
+    stream's second token). Now they wait in the link's backlog, in order, for the next flush with room."""
+    from types import SimpleNamespace
+
+    import zmq
+
+    from infer.protocol.messages import decode
+    from infer.worker.service.kv_links import KvLinks
+
+    class Link:
+        def __init__(self) -> None:
+            self.full, self.sent = False, []
+
+        def send_multipart(self, frames, flags=0):
+            if self.full:
+                raise zmq.Again()
+            self.sent.append(decode(frames[0]).transfer_id)
+
+    sender = KvSender(timeout_s=10.0)
+    core = SimpleNamespace(
+        options=SimpleNamespace(kv=KvTransferConfig("kv_producer", kv_shm_dir="")),
+        kv_sender=sender,
+        kv_receiver=None,
+        take_kv_replies=lambda: [],
+        take_kv_outgoing=sender.take_outgoing,
+    )
+    links = KvLinks(core, None, "127.0.0.1", zmq.Poller())
+    link = Link()
+    links._link = lambda address, key: link
+    try:
+        exported = Exported([1] * 33, [b"a" * 8, b"b" * 8])
+        link.full = True
+        for rid in ("t1", "t2", "t3"):
+            sender.start(rid, "tcp://127.0.0.1:6001", "", exported, b"fp0", now=0.0)
+        links.flush()
+        assert link.sent == [] and links.backlogged
+        sender.cancel("t2")  # ended meanwhile: its frame is not sent late
+        link.full = False
+        links.flush()
+        assert link.sent == ["t1", "t3"] and not links.backlogged
+    finally:
+        links.close()
+
+
 def test_a_stalled_transfer_hands_off_at_its_deadline_and_an_abort_cancels_it():
     from worker_harness import deltas, dispatch
 

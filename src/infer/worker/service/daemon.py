@@ -74,8 +74,9 @@ log = logging.getLogger("infer.worker")
 _CLOSE_LINGER_MS = 2000  # how long the final frames may take to leave on exit
 _MAX_FRAMES_PER_TURN = 4096  # frames handled between two engine steps, so a flood cannot starve the engine
 _CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-# how often the heartbeat thread reads the KV links during a step while transfers are under way: each of a hand-off's
-# two round trips waits at most this for the producer, not for its step's end
+# how often the heartbeat thread reads the KV links during a step while transfers are under way (each of a hand-off's
+# two round trips waits at most this for the producer, not for its step's end), and the loop's longest poll while KV
+# frames wait for room in their link's queue
 _KV_ANSWER_POLL_S = 0.01
 
 
@@ -275,6 +276,11 @@ class Worker:
 
     def _poll_timeout(self) -> float:
         """Seconds to block in poll: 0 while there is work, else until the next timer is due (the core's)."""
+        if self.kv is not None and self.kv.backlogged:  # KV frames wait for room in their link's queue
+            return min(_KV_ANSWER_POLL_S, self._core_poll_timeout())
+        return self._core_poll_timeout()
+
+    def _core_poll_timeout(self) -> float:
         group = self.group
         if group is None or self.core.group_gone:
             return self.core.poll_timeout(time.monotonic())

@@ -8,7 +8,9 @@ WorkerCore's). A producer's hand-offs and a drain's moves send the same way; "co
   KV).
 - A sender opens one DEALER per consumer address (lazily; with keys a CURVE client towards the consumer's key,
   which the coordinator vouched for in the Dispatch). Blocks go only after the consumer's KvWant (it is alive), so a
-  dead consumer has only an offer queued towards it; at most _SNDHWM frames queue per consumer.
+  dead consumer has only an offer queued towards it; at most _SNDHWM frames queue per consumer in zmq, and the frames
+  past those wait here, in order (two long prompts' blocks handed off at once fill it): each flush sends what fits
+  and drops the frames of transfers that ended meanwhile.
 - Shared memory (`kv_shm_dir`, /dev/shm by default): a producer's offer names a probe file of its own there and the
   random token it holds; a consumer that reads that token there (the same host and mounts, a user allowed to read the
   producer's 0600 files) says so, and the producer writes each frame's payloads to a file there instead of sending
@@ -26,6 +28,7 @@ import os
 import re
 import secrets
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,6 +36,7 @@ import zmq
 
 from infer.protocol.keys import CurveKeys
 from infer.protocol.logsafe import RateLimitedLog
+from infer.protocol.messages import Message
 from infer.protocol.transport import KeyGate, frames_for, make_socket
 from infer.worker.service.core import WorkerCore
 
@@ -137,6 +141,8 @@ class KvLinks:
         self._gate: KeyGate | None = None
         self.server: zmq.Socket | None = None
         self.links: dict[tuple[str, str], zmq.Socket] = {}
+        # a producer's frames that did not fit in their link's queue yet, by (address, key): sent by a later flush
+        self._backlog: dict[tuple[str, str], deque[Message]] = {}
         self._warn = RateLimitedLog(log)
         self.shm: ShmArea | None = None
         shm_dir = core.options.kv.kv_shm_dir
@@ -196,10 +202,28 @@ class KvLinks:
                 except (zmq.Again, zmq.ZMQError):  # the producer is gone: its transfer times out there
                     self._warn.warning("a KV answer could not be sent to its producer (gone)")
         for address, key, msg in self.core.take_kv_outgoing():
-            try:
-                self._link(address, key).send_multipart(frames_for(msg), zmq.NOBLOCK)
-            except (zmq.Again, zmq.ZMQError) as e:  # not connected (yet) or full: the transfer times out
-                self._warn.warning("a KV frame to %s was not sent (%s); its transfer will time out", address, e)
+            self._backlog.setdefault((address, key), deque()).append(msg)
+        sender = self.core.kv_sender
+        for link, queued in list(self._backlog.items()):
+            while queued:
+                msg = queued[0]
+                if sender is not None and getattr(msg, "transfer_id", None) not in sender.transfers:
+                    queued.popleft()  # its transfer ended meanwhile (timed out, refused, cancelled)
+                    continue
+                try:
+                    self._link(*link).send_multipart(frames_for(msg), zmq.NOBLOCK)
+                except zmq.Again:  # the link's queue is full (SNDHWM frames): the rest waits, in order
+                    break
+                except zmq.ZMQError as e:  # the transfer times out
+                    self._warn.warning("a KV frame to %s was not sent (%s); its transfer will time out", link[0], e)
+                queued.popleft()
+            if not queued:
+                del self._backlog[link]
+
+    @property
+    def backlogged(self) -> bool:
+        """Frames wait for room in a link's queue (the shell then polls often: `flush` sends them)."""
+        return bool(self._backlog)
 
     def _link(self, address: str, key: str) -> zmq.Socket:
         sock = self.links.get((address, key))
