@@ -20,6 +20,7 @@ from infer.protocol.messages import (
     ControlAck,
     Delta,
     Dispatch,
+    DrainMoves,
     Error,
     Heartbeat,
     Hello,
@@ -58,6 +59,7 @@ class Coordinator:
         self.port = int(self.address.rsplit(":", 1)[1])
         self.peer: bytes | None = None
         self.loads: list[Load] = []
+        self.drains: list[DrainMoves] = []
 
     def close(self) -> None:
         if not self.sock.closed:
@@ -81,6 +83,8 @@ class Coordinator:
                 return msg
             if isinstance(msg, StepBatch):
                 self.loads.append(msg.load)
+            elif isinstance(msg, DrainMoves):  # a drain starting (no KV port here: it names no request to move)
+                self.drains.append(msg)
             elif isinstance(msg, Hello):
                 self.send(Welcome(coordinator_id="test-coordinator", state="running"))
             elif not isinstance(msg, Heartbeat):
@@ -376,6 +380,7 @@ def test_sigterm_drains_running_requests_then_exits_0(coordinator, spawn, model_
         assert deltas[-1].finish_reason == "length" and len(joined(deltas)[0]) == 120, (deltas[-1], worker.log)
     assert worker.wait() == 0
     assert "draining" in worker.log
+    assert coordinator.drains == [DrainMoves(request_ids=[])]  # the coordinator heard it drain at once
 
 
 def test_benchmark_mode_tokens_and_stop(coordinator, spawn):
