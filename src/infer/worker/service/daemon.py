@@ -420,8 +420,7 @@ class Worker:
         if agreed.leaving:
             if self._leaving is not None:
                 return
-            core.group_left(f"a member of EP group {core.group_id!r} left", time.monotonic())
-            self.poller.unregister(group.wake_socket)  # no peer wakes this rank again
+            self._group_left(group, f"a member of EP group {core.group_id!r} left")
             return self._flush()
         if agreed.work:
             # an EP group's engine is a real Engine (WorkerOptions refuses --benchmark-mode with --ep-size)
@@ -437,11 +436,14 @@ class Worker:
         back and exits 1 (WorkerCore.group_broken); draining, as when a member leaves in order: its moves under way
         go on shipping KV, the requests that would need a step are given back, and it exits 0 once drained."""
         if self.group is not None and self.core.draining and not self.core.group_gone:
-            self.core.group_left(f"EP group {self.core.group_id!r} broke ({reason})", time.monotonic())
-            if self.core.group_gone:
-                self.poller.unregister(self.group.wake_socket)
-            return
+            return self._group_left(self.group, f"EP group {self.core.group_id!r} broke ({reason})")
         self.core.group_broken(reason, time.monotonic())
+
+    def _group_left(self, group: GroupSync, reason: str) -> None:
+        """The group steps no more (WorkerCore.group_left: this rank exits 1 unless it drains); no peer wakes this
+        rank again."""
+        self.core.group_left(reason, time.monotonic())
+        self.poller.unregister(group.wake_socket)
 
     def _leave_group(self, group: GroupSync, reason: str) -> None:
         """Tell the group this rank is leaving (one last round), so the others leave too instead of hanging
